@@ -1,0 +1,184 @@
+"""`DecodeState`: the immutable PyTree a decoding loop carries, and `init_state`.
+
+    tokens      int32 [B, T]   prompt + generated, right-padded with pad_token_id
+    length      int32 [B]      next write index per row
+    prompt_len  int32 [B]
+    max_new     int32 [B]      per-row budget of new tokens (dynamic)
+    done        bool  [B]      padding-only rows start done
+    stop_reason int32 [B]      see jaxgen.stopping
+    cache       KVCache        static shapes; donated to the jit
+    key         PRNG key [B]   one key per row; the step key is fold_in(row_key, position)
+
+The model and the prompt bucket are static (aux data), so `jaxgen.generate(params, state,
+cfg)` needs nothing else.
+
+Example:
+    >>> state = init_state(model, [[1, 2, 3], [4, 5]], GenerationConfig(max_new_tokens=4),
+    ...                    jax.random.key(0))
+    >>> state.tokens.shape      # prompt bucket 16 + 4 new tokens
+    (2, 20)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.cache import KVCache
+from jaxgen.config import GenerationConfig
+
+MIN_PROMPT_BUCKET = 16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    tokens: jax.Array  # int32 [B, T]
+    length: jax.Array  # int32 [B]
+    prompt_len: jax.Array  # int32 [B]
+    max_new: jax.Array  # int32 [B]
+    done: jax.Array  # bool [B]
+    stop_reason: jax.Array  # int32 [B]
+    cache: KVCache
+    key: jax.Array  # typed PRNG keys [B]
+    model: Any = dataclasses.field(metadata=dict(static=True))
+    prompt_bucket: int = dataclasses.field(metadata=dict(static=True))
+    pad_token_id: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def buffer_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def replace(self, **changes) -> "DecodeState":
+        return dataclasses.replace(self, **changes)
+
+
+def prompt_bucket(length: int) -> int:
+    """Prompt lengths are padded to a power of two (at least 16) to limit compiles."""
+    bucket = MIN_PROMPT_BUCKET
+    while bucket < length:
+        bucket *= 2
+    return bucket
+
+
+def _prompt_rows(prompts, lengths) -> list[list[int]]:
+    if lengths is not None:
+        array = np.asarray(prompts)
+        lengths = np.asarray(lengths).reshape(-1)
+        if array.ndim != 2 or lengths.shape[0] != array.shape[0]:
+            raise ValueError("prompts as an array must be [B, S] with lengths [B]")
+        if (lengths < 0).any() or (lengths > array.shape[1]).any():
+            raise ValueError(f"prompt lengths must lie in 0..{array.shape[1]}, got {lengths.tolist()}")
+        return [array[b, :n].tolist() for b, n in enumerate(lengths)]
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        array = np.asarray(prompts)
+        if array.ndim == 1:
+            array = array[None]
+        if array.ndim != 2:
+            raise ValueError(f"prompts must be a list of id lists or a [B, S] array, got shape {array.shape}")
+        return array.tolist()
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if all(isinstance(t, (int, np.integer)) for t in prompts):
+        prompts = [prompts]
+    return [list(row) for row in prompts]
+
+
+def _validate_rows(rows: list[list[int]], vocab_size: int) -> None:
+    for b, row in enumerate(rows):
+        if len(row) == 0:
+            raise ValueError(f"prompt {b} is empty: every prompt needs at least one token")
+        for token in row:
+            if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
+                raise ValueError(f"prompt {b} holds {token!r}; token ids must be ints")
+            if token < 0 or token >= vocab_size:
+                raise ValueError(f"prompt {b} holds token id {token}, outside the vocabulary "
+                                 f"(allowed: 0..{vocab_size - 1})")
+
+
+def row_keys(key, batch: int) -> jax.Array:
+    """One typed PRNG key per row: fold_in(key, row) for a single key, or the given [B] keys."""
+    if key is None:
+        key = jax.random.key(0)
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    if key.ndim == 0:
+        return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch))  # [B]
+    if key.shape != (batch,):
+        raise ValueError(f"key must be one PRNG key or one per row ({batch}), got shape {key.shape}")
+    return key
+
+
+def resolve_pad_id(cfg: GenerationConfig, model) -> int:
+    """HF: pad_token_id, else the model's pad id, else the first EOS id, else 0."""
+    if cfg.pad_token_id is not None:
+        return int(cfg.pad_token_id)
+    model_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if model_pad is not None:
+        return int(model_pad)
+    return int(cfg.eos_ids[0]) if cfg.eos_ids else 0
+
+
+def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
+               lengths=None, max_new_tokens=None, cache_dtype=jnp.float32,
+               buffer_len: int | None = None) -> DecodeState:
+    """Builds the initial decoding state for a batch of prompts.
+
+    prompts: a list of token-id lists (ragged), or a padded [B, S] array with `lengths`.
+    max_new_tokens: optional per-row budgets [B] (each <= the config's budget).
+    buffer_len: optional static buffer length T (default: prompt bucket + budget).
+    """
+    cfg = cfg if cfg is not None else GenerationConfig()
+    rows = _prompt_rows(prompts, lengths)
+    vocab_size = model.vocab_size
+    _validate_rows(rows, vocab_size)
+    cfg.validate_for_model(vocab_size)
+    batch = len(rows)
+    prompt_lens = np.array([len(r) for r in rows], np.int32)  # [B]
+    longest = int(prompt_lens.max())
+    if cfg.max_new_tokens is not None:
+        budgets = np.full((batch,), int(cfg.max_new_tokens), np.int32)  # [B]
+    else:
+        budgets = (int(cfg.max_length) - prompt_lens).astype(np.int32)  # [B]
+        if (budgets < 1).any():
+            b = int(np.argmin(budgets))
+            raise ValueError(f"prompt {b} has {prompt_lens[b]} tokens but max_length is "
+                             f"{cfg.max_length}: the prompt is longer than the buffer; raise "
+                             f"max_length or set max_new_tokens")
+    if max_new_tokens is not None:
+        per_row = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,))
+        if (per_row < 1).any() or (per_row > budgets).any():
+            raise ValueError(f"per-row max_new_tokens must lie in 1..{budgets.max()}, got {per_row.tolist()}")
+        budgets = per_row.astype(np.int32)
+    bucket = prompt_bucket(longest)
+    needed = bucket + int(budgets.max())
+    if buffer_len is None:
+        buffer_len = needed
+    elif int((prompt_lens + budgets).max()) > buffer_len or bucket > buffer_len:
+        raise ValueError(f"prompt + max_new_tokens ({int((prompt_lens + budgets).max())}, prompt "
+                         f"bucket {bucket}) does not fit the buffer of {buffer_len} tokens")
+    pad_id = resolve_pad_id(cfg, model)
+    tokens = np.full((batch, buffer_len), pad_id, np.int32)  # [B, T]
+    for b, row in enumerate(rows):
+        tokens[b, :len(row)] = row
+    return DecodeState(
+        tokens=jnp.asarray(tokens),
+        length=jnp.asarray(prompt_lens),
+        prompt_len=jnp.asarray(prompt_lens),
+        max_new=jnp.asarray(budgets),
+        done=jnp.zeros((batch,), bool),
+        stop_reason=jnp.zeros((batch,), jnp.int32),
+        cache=model.init_cache(batch, buffer_len, cache_dtype),
+        key=row_keys(key, batch),
+        model=model,
+        prompt_bucket=bucket,
+        pad_token_id=pad_id,
+    )

@@ -1,0 +1,333 @@
+"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3) under the model contract.
+
+A model is a frozen, hashable `Llama(config)`; parameters are a plain nested dict passed in
+(DESIGN s.2). Per-layer parameters are stacked on axis 0 and the layers run under
+`jax.lax.scan`, with the KV cache in the scan carry.
+
+Params layout (L layers, D hidden, H heads, K kv heads, Dh head dim, F mlp, V vocab):
+
+    embed        [V, D]
+    layers/
+      attn_norm  [L, D]
+      wq         [L, D, H*Dh]     bq [L, H*Dh]  (attention_bias)
+      wk         [L, D, K*Dh]     bk [L, K*Dh]  (attention_bias)
+      wv         [L, D, K*Dh]     bv [L, K*Dh]  (attention_bias)
+      wo         [L, H*Dh, D]     bo [L, D]     (attention_out_bias)
+      q_norm     [L, Dh]          k_norm [L, Dh] (qk_norm)
+      mlp_norm   [L, D]
+      w_gate     [L, D, F]
+      w_up       [L, D, F]
+      w_down     [L, F, D]
+    final_norm   [D]
+    lm_head      [D, V]           (only when tie_word_embeddings is False)
+
+Example:
+    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                           num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8))
+    >>> params = model.init_params(jax.random.key(0))
+    >>> cache = model.init_cache(1, 8)
+    >>> out = model(params, jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None], cache)
+    >>> out.logits.shape, out.hidden.shape, int(out.cache.length[0])
+    ((1, 3, 32), (1, 3, 16), 3)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.cache import CACHE_KINDS, KVCache
+
+from . import rope as rope_lib
+from .rope import freeze  # re-exported for loaders
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+__all__ = ["Llama", "LlamaConfig", "ModelOutput", "SUPPORTED_ARCHITECTURES", "freeze", "rms_norm"]
+
+
+class ModelOutput(NamedTuple):
+    """What a forward returns: logits [B, S', V] float32, hidden [B, S, D], the updated cache."""
+
+    logits: jax.Array
+    hidden: jax.Array
+    cache: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Static, hashable description of a Llama-family model (HF field meanings).
+
+    rope_scaling is HF's `rope_scaling` / `rope_parameters` dict (without rope_theta) frozen
+    into a sorted tuple of (key, value) items, or None for plain RoPE.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v projections (Qwen2; Llama attention_bias)
+    attention_out_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    generation_defaults: tuple[tuple[str, Any], ...] = ()
+    architecture: str = "LlamaForCausalLM"
+    sliding_window: int | None = None  # recorded but NOT applied (full attention everywhere)
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.rope_scaling is not None:
+            rope_lib.validate(dict(self.rope_scaling))
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def generation_defaults_dict(self) -> dict:
+        return dict(self.generation_defaults)
+
+    @classmethod
+    def from_hf_dict(cls, config: dict, generation_config: dict | None = None) -> "LlamaConfig":
+        """Builds a config from a parsed HF `config.json` (and optional generation_config.json).
+
+        Accepts both the transformers<5 keys (`rope_theta`, `rope_scaling`) and the
+        transformers>=5 `rope_parameters` dict. Raises ValueError for other architectures.
+        """
+        archs = config.get("architectures") or []
+        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(config.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} (model_type={config.get('model_type')!r}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if config.get("mlp_bias"):
+            raise ValueError(f"{arch}: mlp_bias=True is not supported")
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        rope_params = dict(config.get("rope_parameters") or {})
+        legacy_scaling = config.get("rope_scaling")
+        if legacy_scaling:
+            rope_params.update(legacy_scaling)
+        rope_theta = rope_params.pop("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = rope_lib.normalize(rope_params)
+        biased = bool(config.get("attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        gen = dict(generation_config or {})
+        for k in ("transformers_version", "_from_model_config"):
+            gen.pop(k, None)
+        eos = gen.get("eos_token_id", config.get("eos_token_id"))
+        bos = gen.get("bos_token_id", config.get("bos_token_id"))
+        pad = gen.get("pad_token_id", config.get("pad_token_id"))
+        window = config.get("sliding_window")
+        if is_qwen2 and not config.get("use_sliding_window", False):
+            window = None
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=True if is_qwen2 else biased,
+            attention_out_bias=False if is_qwen2 else biased,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=bos,
+            eos_token_id=_as_id_tuple(eos),
+            pad_token_id=pad,
+            generation_defaults=freeze(gen),
+            architecture=arch,
+            sliding_window=window,
+        )
+
+
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _as_id_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalize in fp32, cast back to x's dtype, then scale by weight."""
+    x32 = x.astype(jnp.float32)  # [..., D]
+    variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [..., 1]
+    normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)  # [..., D]
+    return weight * normed
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [..., Dh]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, S, N, Dh]; cos, sin: [B, S, Dh] in x's dtype (HF's rotate_half convention)."""
+    return x * cos[:, :, None] + _rotate_half(x) * sin[:, :, None]  # [B, S, N, Dh]
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama:
+    """Llama-family decoder. Hashable; usable as a static jit argument."""
+
+    config: LlamaConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32,
+                   kind: str = "static") -> KVCache:
+        """An empty cache: k, v [L, batch, max_len, Hkv, Dh], length zeros."""
+        if kind not in CACHE_KINDS:
+            raise ValueError(f"unknown cache kind {kind!r}; allowed: {', '.join(CACHE_KINDS)}")
+        cfg = self.config
+        return KVCache.init(num_layers=cfg.num_layers, batch=batch, max_len=max_len,
+                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
+
+    def init_params(self, key: jax.Array, dtype=jnp.float32) -> dict:
+        """Random parameters (normal, std 0.02; norms at 1) in the params layout above."""
+        cfg = self.config
+        L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = {"wq": (L, D, qd), "wk": (L, D, kd), "wv": (L, D, kd), "wo": (L, qd, D),
+                  "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
+        if cfg.attention_bias:
+            shapes.update(bq=(L, qd), bk=(L, kd), bv=(L, kd))
+        if cfg.attention_out_bias:
+            shapes.update(bo=(L, D))
+        keys = jax.random.split(key, len(shapes) + 2)
+        layers = {name: (0.02 * jax.random.normal(k, shape)).astype(dtype)
+                  for k, (name, shape) in zip(keys[2:], sorted(shapes.items()))}
+        layers["attn_norm"] = jnp.ones((L, D), dtype)
+        layers["mlp_norm"] = jnp.ones((L, D), dtype)
+        if cfg.qk_norm:
+            layers["q_norm"] = jnp.ones((L, cfg.head_dim), dtype)
+            layers["k_norm"] = jnp.ones((L, cfg.head_dim), dtype)
+        params = {"embed": (0.02 * jax.random.normal(keys[0], (V, D))).astype(dtype),
+                  "layers": layers, "final_norm": jnp.ones((D,), dtype)}
+        if not cfg.tie_word_embeddings:
+            params["lm_head"] = (0.02 * jax.random.normal(keys[1], (D, V))).astype(dtype)
+        return params
+
+    def __call__(self, params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
+                 exit_layer: int | None = None,
+                 logits_index: jax.Array | None = None) -> ModelOutput:
+        """One forward over S new tokens per row, writing their K/V into `cache` at `positions`.
+
+        tokens, positions: int32 [B, S]. exit_layer (static): run only the first exit_layer
+        layers. logits_index: optional int32 [B, S'] of sequence indices that get logits.
+        Returns ModelOutput(logits [B, S', V] f32, hidden [B, S, D] (pre final norm), cache)
+        with cache.length = positions[:, -1] + 1.
+        """
+        cfg = self.config
+        num_layers = cfg.num_layers if exit_layer is None else int(exit_layer)
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise ValueError(f"exit_layer={exit_layer} must be in [1, {cfg.num_layers}]")
+        layers = params["layers"]
+        if num_layers < cfg.num_layers:
+            layers = jax.tree_util.tree_map(lambda a: a[:num_layers], layers)
+        x = jnp.take(params["embed"], tokens, axis=0)  # [B, S, D]
+        cos, sin = rope_lib.cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                    cfg.max_position_embeddings, x.dtype)  # [B, S, Dh] each
+
+        def layer_step(carry, scanned):
+            h, kv = carry
+            layer_params, index = scanned
+            h, kv = self._block(layer_params, index, h, cos, sin, positions, kv)
+            return (h, kv), None
+
+        layer_ids = jnp.arange(num_layers, dtype=jnp.int32)  # [L']
+        (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (layers, layer_ids))
+        hidden = x  # [B, S, D]
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, :, None].astype(jnp.int32),
+                                    axis=1)  # [B, S', D]
+        logits = self.head(params, x)  # [B, S', V]
+        cache = cache.with_length(positions[:, -1] + 1)
+        return ModelOutput(logits=logits, hidden=hidden, cache=cache)
+
+    def head(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """Final norm + LM head: hidden [B, S, D] -> logits [B, S, V] float32."""
+        normed = rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)  # [B, S, D]
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("bsd,vd->bsv", normed, params["embed"],
+                              preferred_element_type=jnp.float32)  # [B, S, V]
+        return jnp.einsum("bsd,dv->bsv", normed, params["lm_head"],
+                          preferred_element_type=jnp.float32)  # [B, S, V]
+
+    def _block(self, p: dict, index: jax.Array, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """One decoder layer: pre-norm attention then pre-norm SwiGLU MLP, both residual."""
+        cfg = self.config
+        batch, seq, _ = x.shape
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)  # [B, S, D]
+        q = h @ p["wq"]  # [B, S, H*Dh]
+        k = h @ p["wk"]  # [B, S, K*Dh]
+        v = h @ p["wv"]  # [B, S, K*Dh]
+        if cfg.attention_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [B, S, H, Dh]
+        k = k.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)  # [B, S, K, Dh]
+        v = v.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)  # [B, S, K, Dh]
+        if cfg.qk_norm:
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)  # [B, S, H, Dh]
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)  # [B, S, K, Dh]
+        q = apply_rope(q, cos, sin)  # [B, S, H, Dh]
+        k = apply_rope(k, cos, sin)  # [B, S, K, Dh]
+        cache = cache.update(index, k, v, positions)
+        attn = cache.attend(index, q, positions, scale=cfg.head_dim ** -0.5)  # [B, S, H, Dh]
+        out = attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim) @ p["wo"]  # [B, S, D]
+        if cfg.attention_out_bias:
+            out = out + p["bo"]
+        x = x + out  # [B, S, D]
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)  # [B, S, D]
+        gated = jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])  # [B, S, F]
+        return x + gated @ p["w_down"], cache  # [B, S, D]
+
+
+def param_shapes(config: LlamaConfig) -> dict:
+    """The expected shape of every parameter (for loaders' checks)."""
+    model = Llama(config)
+    return jax.tree_util.tree_map(lambda a: tuple(a.shape),
+                                  jax.eval_shape(lambda: model.init_params(jax.random.key(0))))
+
+
+def as_numpy_tree(params: dict) -> dict:
+    """Host copies of a params tree (tests, conversion)."""
+    return jax.tree_util.tree_map(np.asarray, params)
