@@ -37,7 +37,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgen.cache import CACHE_KINDS, KVCache
 
@@ -326,8 +325,3 @@ def param_shapes(config: LlamaConfig) -> dict:
     model = Llama(config)
     return jax.tree_util.tree_map(lambda a: tuple(a.shape),
                                   jax.eval_shape(lambda: model.init_params(jax.random.key(0))))
-
-
-def as_numpy_tree(params: dict) -> dict:
-    """Host copies of a params tree (tests, conversion)."""
-    return jax.tree_util.tree_map(np.asarray, params)

