@@ -47,6 +47,7 @@ class DecodeState:
     model: Any = dataclasses.field(metadata=dict(static=True))
     prompt_bucket: int = dataclasses.field(metadata=dict(static=True))
     pad_token_id: int = dataclasses.field(metadata=dict(static=True))
+    stop_tables: Any = None  # jaxgen.stopping_strings.StopStringTables when stop_strings is set
 
     @property
     def batch(self) -> int:
@@ -114,7 +115,7 @@ def row_keys(key, batch: int) -> jax.Array:
         return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch))  # [B]
     if key.shape != (batch,):
         raise ValueError(f"key must be one PRNG key or one per row ({batch}), got shape {key.shape}")
-    return key
+    return jnp.array(key, copy=True)  # [B]; a copy, because the state is donated
 
 
 def resolve_pad_id(cfg: GenerationConfig, model) -> int:
@@ -129,18 +130,23 @@ def resolve_pad_id(cfg: GenerationConfig, model) -> int:
 
 def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                lengths=None, max_new_tokens=None, cache_dtype=jnp.float32,
-               buffer_len: int | None = None) -> DecodeState:
+               buffer_len: int | None = None, tokenizer=None) -> DecodeState:
     """Builds the initial decoding state for a batch of prompts.
 
     prompts: a list of token-id lists (ragged), or a padded [B, S] array with `lengths`.
     max_new_tokens: optional per-row budgets [B] (each <= the config's budget).
     buffer_len: optional static buffer length T (default: prompt bucket + budget).
+    tokenizer: needed when cfg.stop_strings is set (its vocabulary builds the stop tables).
     """
     cfg = cfg if cfg is not None else GenerationConfig()
     rows = _prompt_rows(prompts, lengths)
     vocab_size = model.vocab_size
     _validate_rows(rows, vocab_size)
     cfg.validate_for_model(vocab_size)
+    stop_tables = None
+    if cfg.stop_strings is not None:
+        from jaxgen.stopping_strings import build_stop_tables
+        stop_tables = build_stop_tables(tokenizer, cfg.stop_strings, vocab_size)
     batch = len(rows)
     prompt_lens = np.array([len(r) for r in rows], np.int32)  # [B]
     longest = int(prompt_lens.max())
@@ -181,4 +187,5 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         model=model,
         prompt_bucket=bucket,
         pad_token_id=pad_id,
+        stop_tables=stop_tables,
     )
