@@ -7,13 +7,13 @@
 """
 from jaxgen.cache import KVCache
 from jaxgen.config import GenerationConfig
-from jaxgen.generate import GenerateOutput, generate, generate_ids, trace_count
+from jaxgen.generate import GenerateOutput, default_config, generate, generate_ids, trace_count
 from jaxgen.state import DecodeState, init_state
 from jaxgen.text import generate_text
 
 __all__ = [
     "GenerationConfig", "DecodeState", "GenerateOutput", "KVCache", "init_state", "generate",
-    "generate_ids", "generate_text", "trace_count", "models",
+    "generate_ids", "generate_text", "default_config", "trace_count", "models",
 ]
 __version__ = "0.1.0"
 

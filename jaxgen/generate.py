@@ -20,10 +20,14 @@ import numpy as np
 
 from jaxgen import stopping
 from jaxgen.config import DYNAMIC_FIELDS, GenerationConfig
+from jaxgen.beam import beam_search
 from jaxgen.decode import decode_loop
+from jaxgen.extensions import (NO_EXTENSIONS, Extensions, accepts_hooks, make_extensions,
+                               resolve_custom_generate)
+from jaxgen.speculative import make_drafter, speculative_loop
 from jaxgen.state import DecodeState, init_state
 
-_INT_FIELDS = {"top_k"}
+_INT_FIELDS = {"top_k", "min_length", "min_new_tokens"}
 _trace_count = {"generate": 0}
 
 
@@ -40,6 +44,15 @@ class GenerateOutput:
     scores          float32 [B, N, V] processed scores per step (cfg.output_scores) or None
     logits          float32 [B, N, V] raw logits per step (cfg.output_logits) or None
     state           DecodeState       the final state (its buffers alias the donated input)
+    sequences_scores float32 [B*R]    beam modes: HF's sequences_scores, else None
+    beam_indices    int32 [B*R, N]    beam modes with return_dict_in_generate: HF's beam_indices
+                                      (b*num_beams + beam per new token, -1 past the end), else None
+    speculative     SpeculativeStats  assisted modes (assistant_model / prompt lookup): acceptance
+                                      statistics (jaxgen.speculative.SpeculativeStats), else None
+
+    Beam modes (num_beams > 1) return R = num_return_sequences rows per prompt, batch-major
+    (rows b*R .. b*R+R-1 belong to prompt b, best first); `scores` / `logits` then hold the
+    K running beams of every step, [B*K, N, V], as HF's do; `state` is None.
     """
 
     sequences: jax.Array
@@ -50,6 +63,9 @@ class GenerateOutput:
     scores: jax.Array | None = None
     logits: jax.Array | None = None
     state: DecodeState | None = None
+    sequences_scores: jax.Array | None = None
+    beam_indices: jax.Array | None = None
+    speculative: Any = None
 
 
 def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
@@ -64,10 +80,21 @@ def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
     return jax.tree_util.tree_unflatten(treedef, [cast(n, v) for n, v in zip(names, leaves)])
 
 
-def _generate_impl(params, state: DecodeState, cfg: GenerationConfig) -> GenerateOutput:
+def _generate_impl(params, state: DecodeState, cfg: GenerationConfig,
+                   ext: Extensions = NO_EXTENSIONS, custom=None) -> GenerateOutput:
     _trace_count["generate"] += 1
+    if custom is not None:
+        return _run_custom_generate(custom, params, state, cfg, ext)
+    if cfg.mode in ("beam", "beam_sample"):
+        beams = beam_search(params, state, cfg, **({"ext": ext} if ext else {}))
+        return GenerateOutput(sequences=beams.sequences, lengths=beams.lengths,
+                              prompt_lengths=beams.prompt_lengths, stop_reason=beams.stop_reason,
+                              token_logprobs=beams.token_logprobs, scores=beams.scores,
+                              logits=beams.logits, sequences_scores=beams.sequences_scores,
+                              beam_indices=(beams.beam_indices if cfg.return_dict_in_generate
+                                            else None))
     if cfg.mode in ("greedy", "sample"):
-        final, record = decode_loop(params, state, cfg)
+        final, record = decode_loop(params, state, cfg, ext)
     else:  # validated away in GenerationConfig; kept for clarity
         raise ValueError(f"unsupported generation mode {cfg.mode!r}")
     return GenerateOutput(sequences=final.tokens, lengths=final.length,
@@ -76,17 +103,123 @@ def _generate_impl(params, state: DecodeState, cfg: GenerationConfig) -> Generat
                           logits=record.logits, state=final)
 
 
-_generate_jit = jax.jit(_generate_impl, donate_argnums=(1,))
+_generate_jit = jax.jit(_generate_impl, donate_argnums=(1,), static_argnums=(3, 4))
 
 
-def generate(params, state: DecodeState, cfg: GenerationConfig) -> GenerateOutput:
-    """Decodes every row of `state` to completion under `cfg`. Consumes `state`."""
+def _assisted_impl(params, state: DecodeState, cfg: GenerationConfig, draft_params,
+                   start_tokens, ext: Extensions, drafter) -> GenerateOutput:
+    """The assisted loop (jaxgen.speculative): prompt lookup or an assistant model."""
+    _trace_count["generate"] += 1
+    final, record, stats = speculative_loop(params, state, cfg, drafter, draft_params,
+                                            start_tokens, ext)
+    return GenerateOutput(sequences=final.tokens, lengths=final.length,
+                          prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
+                          token_logprobs=record.token_logprobs, scores=record.scores,
+                          logits=record.logits, state=final, speculative=stats)
+
+
+_assisted_jit = jax.jit(_assisted_impl, donate_argnums=(1,), static_argnums=(5, 6))
+_assisted_traced_jit = jax.jit(_assisted_impl, static_argnums=(5, 6))
+# Beam modes repeat the prompt cache into a new [B*num_beams] cache: no input buffer could be
+# aliased to an output, so the state is not donated (and stays usable).
+_generate_beam_jit = jax.jit(_generate_impl, static_argnums=(3, 4))
+
+
+def _run_custom_generate(custom, params, state, cfg, ext: Extensions) -> GenerateOutput:
+    """custom_generate(params, state, cfg[, logits_processor=, stopping_criteria=])."""
+    kwargs = {}
+    if ext:
+        kwargs = dict(logits_processor=ext.logits_processor,
+                      stopping_criteria=ext.stopping_criteria)
+    out = custom(params, state, cfg, **kwargs)
+    if isinstance(out, GenerateOutput):
+        return out
+    if isinstance(out, DecodeState):
+        steps = max(out.buffer_len - out.prompt_bucket, 1)
+        return GenerateOutput(sequences=out.tokens, lengths=out.length,
+                              prompt_lengths=out.prompt_len, stop_reason=out.stop_reason,
+                              token_logprobs=jnp.zeros((out.batch, steps), jnp.float32),
+                              state=out)
+    raise ValueError(f"custom_generate {custom!r} must return a GenerateOutput or a "
+                     f"DecodeState, got {type(out).__name__}")
+
+
+def _check_hooks(state: DecodeState, cfg: GenerationConfig, ext: Extensions, custom) -> None:
+    """Errors for hooks that would otherwise be ignored, raised before compiling."""
+    if cfg.stop_strings is not None and custom is None:
+        tables = state.stop_tables
+        if tables is None:
+            raise ValueError("`stop_strings` needs a tokenizer: build the state with "
+                             "init_state(..., tokenizer=tokenizer) (or pass tokenizer= to "
+                             "generate_ids / generate_text)")
+        if tuple(tables.strings) != tuple(cfg.stop_strings):
+            raise ValueError(f"the state's stop-string tables were built for "
+                             f"{list(tables.strings)} but cfg.stop_strings is "
+                             f"{list(cfg.stop_strings)}; rebuild the state with init_state")
+    if custom is not None and ext and not accepts_hooks(custom):
+        raise ValueError("custom_generate does not accept `logits_processor` / "
+                         "`stopping_criteria` keyword arguments, so the ones passed would be "
+                         "dropped; add them to its signature or do not pass them")
+    if cfg.num_beams > 1 and custom is None and (ext or cfg.stop_strings is not None):
+        import inspect
+        if "ext" not in inspect.signature(beam_search).parameters:
+            raise ValueError("custom logits_processor / stopping_criteria and stop_strings are "
+                             "not supported with beam search (num_beams > 1) yet")
+
+
+def _generate_growing(params, state, cfg, ext, custom, assisted: bool, traced: bool):
+    """cache_implementation="dynamic": the chunked driver of jaxgen.growing (host loop)."""
+    if custom is not None or assisted or traced:
+        raise ValueError("cache_implementation='dynamic' runs a host-side chunked driver: it "
+                         "cannot be combined with custom_generate, assisted decoding or "
+                         "jax.vmap / jit around generate; use 'static'")
+    from jaxgen.growing import run_growing
+    final, record, _ = run_growing(params, state, canonical_config(cfg), ext)
+    return GenerateOutput(sequences=final.tokens, lengths=final.length,
+                          prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
+                          token_logprobs=record.token_logprobs, scores=record.scores,
+                          logits=record.logits, state=final)
+
+
+def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
+             stopping_criteria=(), custom_generate=None, assistant_model=None,
+             num_assistant_tokens=None) -> GenerateOutput:
+    """Decodes every row of `state` to completion under `cfg`. Consumes `state`.
+
+    logits_processor / stopping_criteria / custom_generate: user hooks, static for the jit
+    (see jaxgen.extensions).
+    assistant_model: `(model, params)` of a draft model with the target's vocabulary: assisted
+    (speculative) decoding, greedy or sampling (jaxgen.speculative). A config with
+    `prompt_lookup_num_tokens` runs prompt lookup decoding without one.
+    num_assistant_tokens: optional per-row int32 [B] (or one int) starting draft length, e.g.
+    a previous output's `speculative.num_assistant_tokens` ("heuristic" schedule); dynamic.
+    """
     if not isinstance(cfg, GenerationConfig):
         raise TypeError(f"cfg must be a jaxgen.GenerationConfig, got {type(cfg).__name__}")
     if not isinstance(state, DecodeState):
         raise TypeError(f"state must be a jaxgen.DecodeState (from jaxgen.init_state), got "
                         f"{type(state).__name__}")
-    return _generate_jit(params, state, canonical_config(cfg))
+    ext = make_extensions(logits_processor, stopping_criteria)
+    custom = resolve_custom_generate(custom_generate)
+    _check_hooks(state, cfg, ext, custom)
+    drafter, draft_params = make_drafter(cfg, state.model, assistant_model,
+                                         num_assistant_tokens)
+    if drafter is not None and custom is not None:
+        raise ValueError("custom_generate replaces the decoding loop: it cannot be combined "
+                         "with assistant_model / prompt_lookup_num_tokens")
+    # Under jax.vmap / jit (traced leaves) nothing may be donated: the caller's arrays are
+    # shared by every mapped call.
+    traced = any(isinstance(leaf, jax.core.Tracer)
+                 for leaf in jax.tree_util.tree_leaves((state, cfg)))
+    if cfg.cache_implementation == "dynamic":
+        return _generate_growing(params, state, cfg, ext, custom, drafter is not None, traced)
+    if drafter is not None:
+        run = _assisted_traced_jit if traced else _assisted_jit
+        start = None if num_assistant_tokens is None else jnp.asarray(num_assistant_tokens,
+                                                                       jnp.int32)
+        return run(params, state, canonical_config(cfg), draft_params, start, ext, drafter)
+    run = _generate_beam_jit if cfg.num_beams > 1 or traced else _generate_jit
+    return run(params, state, canonical_config(cfg), ext, custom)
 
 
 def trace_count() -> int:
@@ -119,15 +252,25 @@ def outputs_to_lists(out: GenerateOutput) -> list[list[int]]:
 
 
 def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *, key=None,
+                 tokenizer=None, logits_processor=(), stopping_criteria=(),
+                 custom_generate=None, assistant_model=None,
                  **overrides: Any) -> list[list[int]]:
     """Prompt + generated ids per row, padding removed (HF's output, row by row).
+
+    assistant_model: `(model, params)` of a draft model: assisted decoding (see `generate`).
+
+    tokenizer: needed for stop_strings. logits_processor / stopping_criteria /
+    custom_generate: user hooks (jaxgen.extensions).
 
     Example:
         >>> jaxgen.generate_ids(model, params, [[1, 2, 3], [4, 5]], max_new_tokens=4)
     """
     cfg = default_config(model, cfg, **overrides)
-    state = init_state(model, prompts, cfg, key)
-    return outputs_to_lists(generate(params, state, cfg))
+    state = init_state(model, prompts, cfg, key, tokenizer=tokenizer)
+    return outputs_to_lists(generate(params, state, cfg, logits_processor=logits_processor,
+                                     stopping_criteria=stopping_criteria,
+                                     custom_generate=custom_generate,
+                                     assistant_model=assistant_model))
 
 
 __all__ = ["GenerateOutput", "generate", "generate_ids", "default_config", "trace_count",

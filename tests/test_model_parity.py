@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from model_fixtures import (assert_logits_close, hf_greedy_logits, jax_greedy_logits,
+from model_fixtures import (assert_logits_close, smollm2_pair, hf_greedy_logits, jax_greedy_logits,
                             make_hf_model, save_hf_model, to_hf_state_dict)
 from jaxgen.models import DEFAULT_MODEL, Llama, LlamaConfig, load
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint
@@ -179,21 +179,7 @@ def test_random_init_params_cache_kinds_and_bf16():
 
 
 def test_smollm2_matches_hf_llama_on_dequantized_weights():
-    import transformers
-
-    model, params, tokenizer = load(DEFAULT_MODEL)
-    cfg = model.config
-    hf_config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True)
-    hf_config._attn_implementation = "eager"
-    hf = transformers.LlamaForCausalLM(hf_config).eval()
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model, params), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
+    model, params, tokenizer, hf = smollm2_pair()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name a color."}])
     expected = hf_greedy_logits(hf, prompt, steps=20)
     actual = jax_greedy_logits(model, params, prompt, steps=20, tokens_from=expected)
