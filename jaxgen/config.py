@@ -73,43 +73,23 @@ HF_DEFAULTS: dict[str, Any] = {
     "assistant_ensemble_weight": None,
     "cache_implementation": None,
     "cache_config": None,
+    # jaxgen-specific (not a Hugging Face field): "search" (default) finds the top-k / top-p /
+    # min-p / typical-p cut-offs by a bisection over float bits (no sort); "sort" uses the
+    # exact sort-based paths that mirror HF step by step. Static.
+    "filter_impl": "search",
+    # jaxgen-specific: the static draft width K_max of assisted decoding with an assistant
+    # model (the per-row draft length moves inside [1, K_max] under the "heuristic"
+    # schedules). None: num_assistant_tokens. Static.
+    "max_assistant_tokens": None,
 }
 
 # Fields Hugging Face knows that jaxgen accepts only at their neutral value (for now).
 # An issue that implements one removes it from here.
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "num_beams": "beam search (num_beams > 1)",
-    "min_length": "the min-length processor",
-    "min_new_tokens": "the min-new-tokens processor",
-    "early_stopping": "beam search early stopping",
-    "max_time": "max_time (needs the chunked driver)",
-    "stop_strings": "stop strings",
-    "min_p": "min-p sampling",
-    "typical_p": "typical-p sampling",
-    "epsilon_cutoff": "epsilon sampling",
-    "eta_cutoff": "eta sampling",
-    "repetition_penalty": "the repetition penalty",
-    "presence_penalty": "the presence penalty",
-    "frequency_penalty": "the frequency penalty",
-    "length_penalty": "beam length penalty",
-    "no_repeat_ngram_size": "no-repeat-ngram blocking",
-    "bad_words_ids": "bad-words blocking",
-    "renormalize_logits": "logits renormalization",
-    "forced_bos_token_id": "forced BOS",
-    "forced_eos_token_id": "forced EOS",
-    "remove_invalid_values": "invalid-value removal",
-    "exponential_decay_length_penalty": "exponential decay length penalty",
-    "suppress_tokens": "token suppression",
-    "begin_suppress_tokens": "begin-token suppression",
-    "sequence_bias": "sequence bias",
-    "num_return_sequences": "several return sequences",
-    "prompt_lookup_num_tokens": "prompt lookup decoding",
-    "max_matching_ngram_size": "prompt lookup decoding",
+    "max_time": ("max_time (it needs the chunked streaming driver, which does not exist yet; "
+                 "bound the output with max_new_tokens / max_length)"),
     "assistant_early_exit": "self-speculative early exit",
     "use_mtp": "multi-token prediction",
-    "assistant_ensemble_weight": "ensemble verification",
-    "cache_implementation": "cache kinds other than 'static'",
-    "cache_config": "cache configuration",
 }
 
 # Hugging Face fields jaxgen will not implement (they raise if set to a non-neutral value).
@@ -143,10 +123,12 @@ DYNAMIC_FIELDS = (
     "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty",
     "assistant_ensemble_weight", "assistant_confidence_threshold",
+    "min_length", "min_new_tokens",
 )
 STATIC_FIELDS = tuple(k for k in HF_DEFAULTS if k not in DYNAMIC_FIELDS)
 
-MODES = ("greedy", "sample")
+MODES = ("greedy", "sample", "beam", "beam_sample", "assisted")
+ASSISTANT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 
 def _is_concrete(value) -> bool:
@@ -267,7 +249,13 @@ class GenerationConfig:
 
     @property
     def mode(self) -> str:
-        """HF's precedence: assisted > beam(+sample) > sample > greedy."""
+        """HF's precedence: assisted > beam(+sample) > sample > greedy.
+
+        "assisted" here means prompt lookup; `generate(..., assistant_model=...)` also runs
+        the assisted loop for a greedy / sample config.
+        """
+        if self.prompt_lookup_num_tokens is not None:
+            return "assisted"
         if self.num_beams > 1:
             return "beam_sample" if self.do_sample else "beam"
         return "sample" if self.do_sample else "greedy"
@@ -302,6 +290,8 @@ class GenerationConfig:
             active |= {"temperature", "top_k", "top_p"}
         for name in DYNAMIC_FIELDS:
             value = getattr(self, name)
+            if name == "length_penalty":  # not a processor: always part of the beam program
+                continue
             if value is not None and _is_concrete(value) and _differs(value, HF_DEFAULTS[name]):
                 active.add(name)
         return frozenset(active)
@@ -322,8 +312,13 @@ class GenerationConfig:
                 continue
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
-        if not isinstance(self.num_beams, (int, np.integer)) or self.num_beams < 1:
+        if (not isinstance(self.num_beams, (int, np.integer)) or isinstance(self.num_beams, bool)
+                or self.num_beams < 1):
             raise ValueError(f"`num_beams` must be an int >= 1, got {self.num_beams!r}")
+        self._validate_beam_fields()
+        self._validate_processor_fields()
+        self._validate_cache_fields()
+        self._validate_assisted_fields()
         _check_range("temperature", self.temperature, low=0.0, allowed="a float >= 0")
         if self.do_sample and _is_concrete(self.temperature) and (_values(self.temperature) == 0).any():
             raise ValueError("`temperature`=0 with do_sample=True is undefined; use do_sample=False "
@@ -343,8 +338,101 @@ class GenerationConfig:
         if self.use_cache is not True:
             raise ValueError("`use_cache` must be True (jaxgen always decodes with a KV cache)")
 
+    def _validate_beam_fields(self) -> None:
+        """Beam fields and the combinations Hugging Face's GenerationConfig.validate rejects."""
+        if not (self.early_stopping is True or self.early_stopping is False
+                or self.early_stopping == "never"):
+            raise ValueError(f"`early_stopping` must be True, False or 'never', got "
+                             f"{self.early_stopping!r}")
+        _check_range("length_penalty", self.length_penalty, allowed="a finite float")
+        returns = self.num_return_sequences
+        if not isinstance(returns, (int, np.integer)) or isinstance(returns, bool) or returns < 1:
+            raise ValueError(f"`num_return_sequences` must be an int >= 1, got {returns!r}")
+        if returns > 1 and self.num_beams == 1 and not self.do_sample:
+            raise ValueError(f"greedy decoding (do_sample=False, num_beams=1) does not support "
+                             f"`num_return_sequences` > 1 (got {returns}); set num_beams >= "
+                             f"{returns} or do_sample=True")
+        if returns > 1 and self.num_beams == 1:
+            raise ValueError(f"`num_return_sequences`={returns} with sampling (num_beams=1) is "
+                             f"not supported yet (allowed: 1, or use num_beams >= {returns})")
+        if self.num_beams > 1 and returns > self.num_beams:
+            raise ValueError(f"`num_return_sequences` ({returns}) has to be smaller or equal to "
+                             f"`num_beams` ({self.num_beams})")
+
+    def _validate_assisted_fields(self) -> None:
+        """Assisted / speculative decoding fields (jaxgen.speculative)."""
+        def int_at_least(name, value, low, allow_none):
+            if value is None and allow_none:
+                return
+            if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                    or value < low):
+                raise ValueError(f"`{name}` must be an int >= {low}"
+                                 f"{' or None' if allow_none else ''}, got {value!r}")
+        int_at_least("num_assistant_tokens", self.num_assistant_tokens, 1, False)
+        int_at_least("max_assistant_tokens", self.max_assistant_tokens, 1, True)
+        int_at_least("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens, 1, True)
+        int_at_least("max_matching_ngram_size", self.max_matching_ngram_size, 1, True)
+        if self.num_assistant_tokens_schedule not in ASSISTANT_SCHEDULES:
+            raise ValueError(f"`num_assistant_tokens_schedule` must be one of "
+                             f"{list(ASSISTANT_SCHEDULES)}, got "
+                             f"{self.num_assistant_tokens_schedule!r}")
+        _check_range("assistant_ensemble_weight", self.assistant_ensemble_weight, low=0.0,
+                     high=1.0, low_open=True, high_open=True,
+                     allowed="a float in the open interval (0, 1) (None: lossless "
+                             "speculative decoding)")
+        _check_range("assistant_confidence_threshold", self.assistant_confidence_threshold,
+                     low=0.0, high=1.0, allowed="a float in [0, 1] (0 or None disables it)")
+        if self.prompt_lookup_num_tokens is not None:
+            if self.num_beams > 1:
+                raise ValueError(f"prompt lookup decoding (`prompt_lookup_num_tokens`="
+                                 f"{self.prompt_lookup_num_tokens}) does not support beam "
+                                 f"search (num_beams={self.num_beams}); assisted decoding "
+                                 f"works with greedy or sampling (allowed: num_beams=1)")
+            if self.assistant_ensemble_weight is not None:
+                raise ValueError("`assistant_ensemble_weight` needs the draft's distribution "
+                                 "(an assistant model); prompt lookup has none (allowed: "
+                                 "assistant_ensemble_weight=None with prompt_lookup_num_tokens)")
+
+    def _validate_cache_fields(self) -> None:
+        """cache_implementation / cache_config (jaxgen.cache)."""
+        from jaxgen.cache import validate_cache_config
+        if self.cache_config is not None and self.cache_implementation is None:
+            raise ValueError("`cache_config` needs `cache_implementation` (allowed: 'static', "
+                             "'dynamic', 'quantized', 'sliding_window', 'offloaded')")
+        validate_cache_config(self.cache_implementation, self.cache_config)
+        if self.cache_implementation == "dynamic" and self.num_beams > 1:
+            raise ValueError("cache_implementation='dynamic' (the growing cache) is not "
+                             "supported with beam search (num_beams > 1) yet; use 'static'")
+
+    def _validate_processor_fields(self) -> None:
+        """Logits-processor and stopping fields (jaxgen.processors, jaxgen.stopping)."""
+        from jaxgen import config_checks
+        config_checks.validate_processor_fields(self)
+
+    def vmap_axes(self, **axes: int | None) -> "GenerationConfig":
+        """An `in_axes` tree for `jax.vmap` over this config's dynamic fields.
+
+        Example:
+            >>> cfg = GenerationConfig(do_sample=True, temperature=jnp.array([0.5, 1.0]))
+            >>> sweep = jax.vmap(lambda c: jaxgen.generate(params, state, c).sequences,
+            ...                  in_axes=(cfg.vmap_axes(temperature=0),))
+        Fields not named are broadcast (None). Only dynamic fields that are set can be mapped.
+        """
+        for name, axis in axes.items():
+            if name not in DYNAMIC_FIELDS:
+                raise ValueError(f"vmap_axes: `{name}` is not a dynamic field (allowed: "
+                                 f"{list(DYNAMIC_FIELDS)})")
+            if axis is not None and getattr(self, name) is None:
+                raise ValueError(f"vmap_axes: `{name}` is None in this config; give it a "
+                                 f"value (the batch of values to sweep) before mapping it")
+        leaves, aux = _flatten(self)
+        return _unflatten(aux, [axes.get(name) if value is not None else None
+                                for name, value in zip(DYNAMIC_FIELDS, leaves)])
+
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks the token ids the config names against the vocabulary."""
+        from jaxgen import config_checks
+        config_checks.validate_processor_ids(self, vocab_size)
         for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
             value = getattr(self, name)
             ids = value if isinstance(value, tuple) else ((value,) if value is not None else ())

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 
 from jaxgen import stopping
 from jaxgen.config import GenerationConfig
+from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.processors import ProcessorContext, process_logits
 from jaxgen.sampling import select_tokens, token_logprobs
 from jaxgen.state import DecodeState
+from jaxgen.stopping_strings import stop_string_hit
 
 
 @jax.tree_util.register_dataclass
@@ -51,11 +53,13 @@ def prefill(params, state: DecodeState) -> tuple[DecodeState, jax.Array]:
 
 
 def choose_and_write(cfg: GenerationConfig, state: DecodeState, raw_logits: jax.Array,
-                     record: StepRecord, step) -> tuple[DecodeState, StepRecord]:
+                     record: StepRecord, step, ext: Extensions = NO_EXTENSIONS
+                     ) -> tuple[DecodeState, StepRecord]:
     """Processes logits [B, V], picks a token per live row, writes it and updates stops."""
     batch = state.batch
-    ctx = ProcessorContext(tokens=state.tokens, length=state.length, prompt_len=state.prompt_len)
-    scores = process_logits(cfg, raw_logits, ctx)  # [B, V]
+    ctx = ProcessorContext(tokens=state.tokens, length=state.length, prompt_len=state.prompt_len,
+                           max_new=state.max_new)
+    scores = process_logits(cfg, raw_logits, ctx, extra=ext.logits_processor)  # [B, V]
     chosen = select_tokens(scores, state.key, state.length, do_sample=cfg.do_sample)  # [B]
     live = ~state.done  # [B]
     chosen = jnp.where(live, chosen, state.pad_token_id)  # [B]
@@ -67,33 +71,55 @@ def choose_and_write(cfg: GenerationConfig, state: DecodeState, raw_logits: jax.
     newly_eos = live & stopping.hit_eos(chosen, cfg.eos_ids)  # [B]
     newly_full = live & stopping.out_of_budget(length, state.prompt_len, state.max_new,
                                                state.buffer_len)  # [B]
-    done, reason = stopping.update_stop(state.done, state.stop_reason, newly_eos, newly_full)
+    newly_string = newly_custom = None
+    if state.stop_tables is not None:
+        newly_string = live & stop_string_hit(state.stop_tables, tokens, length)  # [B]
+    if ext.stopping_criteria:
+        after = ProcessorContext(tokens=tokens, length=length, prompt_len=state.prompt_len,
+                                 max_new=state.max_new)
+        newly_custom = live & stopping.custom_stop(ext.stopping_criteria, after, scores)  # [B]
+    done, reason = stopping.update_stop(state.done, state.stop_reason, newly_eos, newly_full,
+                                        newly_string, newly_custom)
     record = record.write(step, token_logprobs(scores, chosen), scores, raw_logits)
     return state.replace(tokens=tokens, length=length, done=done, stop_reason=reason), record
 
 
-def decode_loop(params, state: DecodeState, cfg: GenerationConfig
-                ) -> tuple[DecodeState, StepRecord]:
+def decode_loop(params, state: DecodeState, cfg: GenerationConfig,
+                ext: Extensions = NO_EXTENSIONS) -> tuple[DecodeState, StepRecord]:
     """Prefill + while_loop until every row is done. Returns the final state and records."""
     steps = state.buffer_len - state.prompt_bucket
     vocab = state.model.vocab_size
     record = StepRecord.empty(state.batch, max(steps, 1), vocab, cfg)
     # Rows whose budget is already exhausted never decode.
     state, logits = prefill(params, state)
-    state, record = choose_and_write(cfg, state, logits, record, 0)
+    state, record = choose_and_write(cfg, state, logits, record, 0, ext)
+    _, state, record = decode_steps(params, state, cfg, record, 1, steps, ext)
+    return state, record
 
-    def cond(carry):
-        step, st, _ = carry
-        return (step < steps) & ~jnp.all(st.done)
 
+def decode_step(params, cfg: GenerationConfig, ext: Extensions = NO_EXTENSIONS):
+    """The loop body: (step, state, record) -> (step + 1, state, record), one token a row."""
     def body(carry):
         step, st, rec = carry
         position = jnp.maximum(st.length - 1, 0)  # [B] the token not yet in the cache
         last = jnp.take_along_axis(st.tokens, position[:, None], axis=1)  # [B, 1]
         out = st.model(params, last, position[:, None], st.cache)
         st = st.replace(cache=out.cache.with_length(st.length))
-        st, rec = choose_and_write(cfg, st, out.logits[:, 0].astype(jnp.float32), rec, step)
+        st, rec = choose_and_write(cfg, st, out.logits[:, 0].astype(jnp.float32), rec, step, ext)
         return step + 1, st, rec
+    return body
 
-    _, state, record = jax.lax.while_loop(cond, body, (jnp.int32(1), state, record))
-    return state, record
+
+def decode_steps(params, state: DecodeState, cfg: GenerationConfig, record: StepRecord, start,
+                 stop, ext: Extensions = NO_EXTENSIONS):
+    """Runs `decode_step` for steps start..stop-1 (fewer once every row is done).
+
+    Returns (next step, state, record). Chunked drivers (jaxgen.growing, streaming) call this
+    N steps per jit call; `decode_loop` calls it once for the whole budget.
+    """
+    def cond(carry):
+        step, st, _ = carry
+        return (step < stop) & ~jnp.all(st.done)
+
+    return jax.lax.while_loop(cond, decode_step(params, cfg, ext),
+                              (jnp.asarray(start, jnp.int32), state, record))

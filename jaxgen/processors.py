@@ -1,161 +1,163 @@
-"""Logits processors: pure transforms `(logits [B, V], ctx) -> logits`.
+"""Logits processors: pure transforms `(scores [B, V], ctx) -> scores`, chained in Hugging
+Face's order (transformers 5.x `GenerationMixin._get_logits_processor`).
 
 Numeric parameters come from the config's dynamic leaves (scalar or per-row [B]), so a
-new temperature or top-p never recompiles; which processors run is static.
+new temperature, top-p or penalty never recompiles; which processors run is static
+(`cfg.active_dynamic()` plus the static fields). The processors themselves live in
+    jaxgen/processors_sampling.py   temperature, top-k, top-p, min-p, typical, epsilon, eta
+    jaxgen/processors_history.py    repetition / presence / frequency, no-repeat-ngram,
+                                    sequence bias, bad words
+    jaxgen/processors_position.py   min length, forced BOS/EOS, suppression, decay, clean-ups
 
-Top-k and top-p have two implementations with identical masks up to ties:
-- the default *search* path finds the cut-off logit by a binary search over the
-  float32 bit patterns (32 passes over the vocabulary, no sort);
-- the *sort* path mirrors Hugging Face's sort-based warpers exactly.
+The chain (`process_logits`), HF's order, each step present only when configured:
+     1 sequence_bias               2 repetition_penalty    3 presence/frequency (jaxgen)
+     4 no_repeat_ngram_size        5 bad_words_ids         6 min_length / min_new_tokens
+     7 forced_bos_token_id         8 forced_eos_token_id   9 remove_invalid_values
+    10 exponential_decay_length_penalty                   11 suppress_tokens
+    12 begin_suppress_tokens      13 user processors (HF merges custom lists here)
+    sampling only: 14 temperature 15 top_k 16 top_p 17 min_p 18 typical_p 19 epsilon 20 eta
+    21 renormalize_logits (always last)
 
 Example:
-    >>> logits = jnp.array([[1.0, 3.0, 2.0, 0.0]])
-    >>> top_k_filter(logits, jnp.int32(2))
+    >>> cfg = GenerationConfig(do_sample=True, top_k=2)
+    >>> ctx = ProcessorContext(tokens=jnp.zeros((1, 4), jnp.int32), length=jnp.array([1]),
+    ...                        prompt_len=jnp.array([1]))
+    >>> process_logits(cfg, jnp.array([[1.0, 3.0, 2.0, 0.0]]), ctx)
     Array([[-inf,   3.,   2., -inf]], dtype=float32)
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxgen.config import GenerationConfig
+from jaxgen.processors_history import (  # noqa: F401  (re-exported)
+    bad_words_as_bias, no_repeat_ngram, normalize_sequence_bias, presence_frequency_penalty,
+    repetition_penalty, sequence_bias, token_counts, token_presence, valid_positions)
+from jaxgen.processors_position import (  # noqa: F401
+    begin_suppress_tokens, exponential_decay_length_penalty, forced_bos, forced_eos,
+    min_length_mask, remove_invalid_values, renormalize, row_max_length, suppress_tokens)
+from jaxgen.processors_sampling import (  # noqa: F401
+    NEG_INF, epsilon_filter, eta_filter, kth_largest, min_p_filter, per_row, search_threshold,
+    temperature_scale, top_k_filter, top_k_filter_sorted, top_p_filter, top_p_filter_sorted,
+    typical_filter, typical_filter_sorted)
 
-NEG_INF = -jnp.inf
+LogitsProcessorFn = Callable[[jax.Array, "ProcessorContext"], jax.Array]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ProcessorContext:
-    """What a processor may read besides the logits.
+    """What a processor may read besides the scores.
 
-    tokens: int32 [B, T] prompt + generated so far (entries at index >= length are padding);
-    length: int32 [B] number of valid tokens (the token being chosen goes at index `length`);
-    prompt_len: int32 [B].
+    tokens:     int32 [B, T] prompt + generated so far (entries at index >= length are padding);
+    length:     int32 [B] number of real tokens (the token being chosen goes at index `length`);
+    prompt_len: int32 [B];
+    max_new:    int32 [B] per-row budget of new tokens, or None (then the row's max_length is
+                the buffer length T). Forced EOS fires when length == prompt_len + max_new - 1.
     """
 
     tokens: jax.Array
     length: jax.Array
     prompt_len: jax.Array
+    max_new: jax.Array | None = None
 
 
-def per_row(value, batch: int, dtype=jnp.float32) -> jax.Array:
-    """A scalar or [B] parameter as a [B, 1] column."""
-    value = jnp.asarray(value, dtype)
-    return jnp.broadcast_to(value.reshape(-1, 1), (batch, 1))  # [B, 1]
+def min_tokens_to_keep_for(cfg: GenerationConfig) -> int:
+    """HF: 1, or (#EOS + 1, at least 2) for beam sampling."""
+    if cfg.num_beams > 1:
+        return max(2, len(cfg.eos_ids) + 1)
+    return 1
 
 
-# ------------------------------------------------------------------ float-bit search
-def _sortable_bits(x: jax.Array) -> jax.Array:
-    """Maps float32 to int32 so that integer order equals float order (-inf < ... < inf)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return jnp.where(bits < 0, jnp.int32(-(2**31)) - bits - 1, bits)
+def use_exact_filters(cfg: GenerationConfig) -> bool:
+    """True when the config asks for the sort-based filters (jaxgen field `filter_impl`)."""
+    return getattr(cfg, "filter_impl", "search") == "sort"
 
 
-def _bits_to_float(bits: jax.Array) -> jax.Array:
-    raw = jnp.where(bits < 0, jnp.int32(-(2**31)) - bits - 1, bits)
-    return jax.lax.bitcast_convert_type(raw, jnp.float32)
-
-
-def _search_threshold(logits: jax.Array, keep_at_least) -> jax.Array:
-    """Largest float t (per row) such that `keep_at_least(t)` holds.
-
-    logits: [B, V]; keep_at_least: [B, 1] float -> [B] bool, monotone (true for small t).
-    Returns t: [B, 1]. 32 bisection steps over the int32 images of the floats.
-    """
-    batch = logits.shape[0]
-    # Search between the images of -inf and +inf: the predicate must hold at -inf, and the
-    # NaN bit patterns outside that range are never visited.
-    low = jnp.full((batch,), _sortable_bits(jnp.float32(-jnp.inf)), jnp.int32)  # [B]
-    high = jnp.full((batch,), _sortable_bits(jnp.float32(jnp.inf)), jnp.int32)  # [B]
-
-    def body(_, bounds):
-        low, high = bounds
-        span = high.astype(jnp.uint32) - low.astype(jnp.uint32)  # [B], no int32 overflow
-        mid = (low.astype(jnp.uint32) + (span >> 1) + (span & 1)).astype(jnp.int32)  # [B]
-        ok = keep_at_least(_bits_to_float(mid)[:, None])  # [B]
-        return jnp.where(ok, mid, low), jnp.where(ok, high, mid - 1)
-
-    low, _ = jax.lax.fori_loop(0, 32, body, (low, high))
-    return _bits_to_float(low)[:, None]  # [B, 1]
-
-
-# ---------------------------------------------------------------------- processors
-def temperature_scale(logits: jax.Array, temperature) -> jax.Array:
-    """HF TemperatureLogitsWarper: logits / temperature."""
-    return logits / per_row(temperature, logits.shape[0])  # [B, V]
-
-
-def top_k_filter(logits: jax.Array, top_k, min_tokens_to_keep: int = 1) -> jax.Array:
-    """HF TopKLogitsWarper (search path): keep values >= the k-th largest; 0 disables."""
-    batch, vocab = logits.shape
-    k = per_row(top_k, batch, jnp.int32)  # [B, 1]
-    k = jnp.where(k <= 0, vocab, jnp.clip(jnp.maximum(k, min_tokens_to_keep), 1, vocab))
-    threshold = _search_threshold(
-        logits, lambda t: jnp.sum(logits >= t, axis=-1) >= k[:, 0])  # [B, 1]
-    return jnp.where(logits >= threshold, logits, NEG_INF)  # [B, V]
-
-
-def top_k_filter_sorted(logits: jax.Array, top_k, min_tokens_to_keep: int = 1) -> jax.Array:
-    """HF TopKLogitsWarper (exact sort path)."""
-    batch, vocab = logits.shape
-    k = per_row(top_k, batch, jnp.int32)  # [B, 1]
-    k = jnp.where(k <= 0, vocab, jnp.clip(jnp.maximum(k, min_tokens_to_keep), 1, vocab))
-    descending = -jnp.sort(-logits, axis=-1)  # [B, V]
-    kth = jnp.take_along_axis(descending, k - 1, axis=-1)  # [B, 1]
-    return jnp.where(logits < kth, NEG_INF, logits)  # [B, V]
-
-
-def top_p_filter(logits: jax.Array, top_p, min_tokens_to_keep: int = 1) -> jax.Array:
-    """HF TopPLogitsWarper (search path).
-
-    A token is kept iff the probability mass of the tokens strictly above it is < top_p
-    (HF removes a token when the ascending cumulative mass up to it is <= 1 - top_p).
-    """
-    batch = logits.shape[0]
-    p = per_row(top_p, batch)  # [B, 1]
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
-    # The cut-off is the smallest t with mass(x > t) < p; keeping x >= t keeps exactly the
-    # tokens whose mass above is < p. The predicate holds for large t, so bisect over -t.
-    above_mass = lambda t: jnp.sum(jnp.where(logits > t, probs, 0.0), axis=-1)  # noqa: E731
-    threshold = -_search_threshold(-logits, lambda s: above_mass(-s) < p[:, 0])  # [B, 1]
-    keep = (logits >= threshold) | (p >= 1.0)  # [B, V]; top_p = 1 is HF's "disabled"
-    if min_tokens_to_keep > 1:
-        keep |= top_k_filter(logits, min_tokens_to_keep) > NEG_INF
-    return jnp.where(keep, logits, NEG_INF)  # [B, V]
-
-
-def top_p_filter_sorted(logits: jax.Array, top_p, min_tokens_to_keep: int = 1) -> jax.Array:
-    """HF TopPLogitsWarper (exact sort path, same arithmetic as HF)."""
-    batch, vocab = logits.shape
-    p = per_row(top_p, batch)  # [B, 1]
-    order = jnp.argsort(logits, axis=-1, stable=True)  # [B, V] ascending
-    ascending = jnp.take_along_axis(logits, order, axis=-1)  # [B, V]
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)  # [B, V]
-    remove_sorted = (cumulative <= 1 - p) & (p < 1.0)  # [B, V]
-    remove_sorted = remove_sorted.at[:, vocab - min_tokens_to_keep:].set(False)
-    remove = jnp.zeros_like(remove_sorted).at[jnp.arange(batch)[:, None], order].set(
-        remove_sorted)  # [B, V]
-    return jnp.where(remove, NEG_INF, logits)  # [B, V]
-
-
-# --------------------------------------------------------------------------- chain
 def process_logits(cfg: GenerationConfig, logits: jax.Array, ctx: ProcessorContext, *,
-                   exact: bool = False) -> jax.Array:
+                   exact: bool | None = None, min_tokens_to_keep: int | None = None,
+                   extra: Sequence[LogitsProcessorFn] = ()) -> jax.Array:
     """Applies the processors `cfg` enables, in Hugging Face's order.
 
     logits: float32 [B, V] raw next-token logits. Returns processed scores [B, V].
-    `exact=True` uses the sort paths for top-k / top-p.
+    exact: sort paths for top-k / top-p / min-p / typical-p (default: cfg.filter_impl).
+    min_tokens_to_keep: override of HF's value (1, or #EOS + 1 for beam sampling).
+    extra: user processors `(scores, ctx) -> scores`, applied where HF merges a custom
+        `logits_processor` list: after the built-in processors, before the sampling warpers.
     """
-    del ctx  # the sampling warpers do not read the history
+    exact = use_exact_filters(cfg) if exact is None else exact
+    keep = min_tokens_to_keep_for(cfg) if min_tokens_to_keep is None else int(min_tokens_to_keep)
     scores = logits.astype(jnp.float32)  # [B, V]
     active = cfg.active_dynamic()
+    eos = cfg.eos_ids
+
+    if cfg.sequence_bias is not None:
+        scores = sequence_bias(scores, ctx, normalize_sequence_bias(cfg.sequence_bias))
+    if "repetition_penalty" in active:
+        scores = repetition_penalty(scores, ctx, cfg.repetition_penalty)
+    if "presence_penalty" in active or "frequency_penalty" in active:
+        scores = presence_frequency_penalty(scores, ctx, cfg.presence_penalty,
+                                            cfg.frequency_penalty)
+    if cfg.no_repeat_ngram_size:
+        scores = no_repeat_ngram(scores, ctx, cfg.no_repeat_ngram_size)
+    if cfg.bad_words_ids is not None:
+        table = bad_words_as_bias(cfg.bad_words_ids, eos)
+        if table:
+            scores = sequence_bias(scores, ctx, table)
+    if eos and "min_new_tokens" in active:  # HF: min_new_tokens overrides min_length
+        scores = min_length_mask(scores, ctx, eos, min_new_tokens=cfg.min_new_tokens)
+    elif eos and "min_length" in active:
+        scores = min_length_mask(scores, ctx, eos, min_length=cfg.min_length)
+    if cfg.forced_bos_token_id is not None:
+        scores = forced_bos(scores, ctx, cfg.forced_bos_token_id)
+    if cfg.forced_eos_token_id is not None:
+        scores = forced_eos(scores, ctx, _ids(cfg.forced_eos_token_id))
+    if cfg.remove_invalid_values:
+        scores = remove_invalid_values(scores)
+    if cfg.exponential_decay_length_penalty is not None and eos:
+        start, factor = cfg.exponential_decay_length_penalty
+        scores = exponential_decay_length_penalty(scores, ctx, start, factor, eos)
+    if cfg.suppress_tokens is not None:
+        scores = suppress_tokens(scores, _ids(cfg.suppress_tokens))
+    if cfg.begin_suppress_tokens is not None:
+        scores = begin_suppress_tokens(scores, ctx, _ids(cfg.begin_suppress_tokens),
+                                       cfg.forced_bos_token_id)
+    for processor in extra:
+        scores = _check_user_output(processor, processor(scores, ctx), scores)
+
     if cfg.do_sample:
         if "temperature" in active:
             scores = temperature_scale(scores, cfg.temperature)
         if "top_k" in active:
-            scores = (top_k_filter_sorted if exact else top_k_filter)(scores, cfg.top_k)
+            scores = (top_k_filter_sorted if exact else top_k_filter)(scores, cfg.top_k, keep)
         if "top_p" in active:
-            scores = (top_p_filter_sorted if exact else top_p_filter)(scores, cfg.top_p)
+            scores = (top_p_filter_sorted if exact else top_p_filter)(scores, cfg.top_p, keep)
+        if "min_p" in active:
+            scores = min_p_filter(scores, cfg.min_p, keep, exact=exact)
+        if "typical_p" in active:
+            scores = (typical_filter_sorted if exact else typical_filter)(scores, cfg.typical_p,
+                                                                         keep)
+        if "epsilon_cutoff" in active:
+            scores = epsilon_filter(scores, cfg.epsilon_cutoff, keep)
+        if "eta_cutoff" in active:
+            scores = eta_filter(scores, cfg.eta_cutoff, keep)
+    if cfg.renormalize_logits:
+        scores = renormalize(scores)
     return scores
+
+
+def _ids(value) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _check_user_output(processor, out, scores: jax.Array) -> jax.Array:
+    if not hasattr(out, "shape") or tuple(out.shape) != tuple(scores.shape):
+        raise ValueError(f"logits processor {processor!r} must return scores of shape "
+                         f"{tuple(scores.shape)}, got {getattr(out, 'shape', type(out))}")
+    return jnp.asarray(out, jnp.float32)

@@ -48,6 +48,7 @@ class DecodeState:
     prompt_bucket: int = dataclasses.field(metadata=dict(static=True))
     pad_token_id: int = dataclasses.field(metadata=dict(static=True))
     stop_tables: Any = None  # jaxgen.stopping_strings.StopStringTables when stop_strings is set
+    spec: Any = None  # assisted mode: jaxgen.speculative.SpecCarry (draft cache, stats)
 
     @property
     def batch(self) -> int:
@@ -128,6 +129,34 @@ def resolve_pad_id(cfg: GenerationConfig, model) -> int:
     return int(cfg.eos_ids[0]) if cfg.eos_ids else 0
 
 
+def init_cache_for(model, cfg: GenerationConfig, batch: int, buffer_len: int, bucket: int,
+                   dtype=jnp.float32):
+    """The cache `cfg.cache_implementation` / `cfg.cache_config` asks for (jaxgen.cache).
+
+    Ring-buffer kinds get rollback_slack = the prompt bucket unless set: the right-padded
+    prefill rolls back from the bucket to each prompt's length. The "dynamic" kind starts at
+    the smallest power of two >= max(initial_length, bucket + chunk_size), capped at
+    buffer_len; jaxgen.growing doubles it between chunks.
+    """
+    kind = cfg.cache_implementation or "static"
+    if kind == "static" and not cfg.cache_config:
+        return model.init_cache(batch, buffer_len, dtype)
+    from jaxgen.cache import validate_cache_config
+    opts = dict(cfg.cache_config or {})
+    if kind in ("sliding_window", "quantized") and opts.get("rollback_slack") is None:
+        opts["rollback_slack"] = bucket
+    max_len = buffer_len
+    if kind == "dynamic":
+        full = validate_cache_config(kind, opts)
+        max_len = min(buffer_len, _next_pow2(max(full["initial_length"],
+                                                 bucket + full["chunk_size"])))
+    return model.init_cache(batch, max_len, dtype, kind=kind, cache_config=opts)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                lengths=None, max_new_tokens=None, cache_dtype=jnp.float32,
                buffer_len: int | None = None, tokenizer=None) -> DecodeState:
@@ -182,7 +211,7 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         max_new=jnp.asarray(budgets),
         done=jnp.zeros((batch,), bool),
         stop_reason=jnp.zeros((batch,), jnp.int32),
-        cache=model.init_cache(batch, buffer_len, cache_dtype),
+        cache=init_cache_for(model, cfg, batch, buffer_len, bucket, cache_dtype),
         key=row_keys(key, batch),
         model=model,
         prompt_bucket=bucket,

@@ -1,7 +1,18 @@
 """Stopping criteria evaluated on the device after each write.
 
 Stop reasons (int32 per row, `GenerateOutput.stop_reason`):
-    0 NOT_STOPPED, 1 EOS, 2 MAX_LENGTH (budget or buffer exhausted).
+    0 NOT_STOPPED, 1 EOS, 2 MAX_LENGTH (budget or buffer exhausted), 3 STOP_STRING,
+    4 CUSTOM (a user stopping criterion).
+When several fire at the same step the first in the order EOS, STOP_STRING, CUSTOM,
+MAX_LENGTH is recorded.
+
+Custom criteria are traceable callables `criterion(ctx, scores) -> bool [B]` (True = stop the
+row), evaluated after the new token is written: `ctx` is a `jaxgen.processors.
+ProcessorContext` whose `tokens` / `length` include the new token, `scores` are the processed
+scores [B, V] the token was chosen from (Hugging Face's `StoppingCriteria(input_ids, scores)`).
+
+Stop strings: see `jaxgen.stopping_strings` (tables built on the host from the tokenizer,
+checked on the device each step).
 
 Example:
     >>> hit_eos(jnp.array([2, 5]), (2,))
@@ -9,11 +20,16 @@ Example:
 """
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
 
-NOT_STOPPED, EOS, MAX_LENGTH = 0, 1, 2
-STOP_REASONS = {NOT_STOPPED: "not_stopped", EOS: "eos", MAX_LENGTH: "max_length"}
+NOT_STOPPED, EOS, MAX_LENGTH, STOP_STRING, CUSTOM = 0, 1, 2, 3, 4
+STOP_REASONS = {NOT_STOPPED: "not_stopped", EOS: "eos", MAX_LENGTH: "max_length",
+                STOP_STRING: "stop_string", CUSTOM: "custom"}
+
+StoppingCriterionFn = Callable[..., jax.Array]
 
 
 def hit_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -29,9 +45,32 @@ def out_of_budget(length: jax.Array, prompt_len: jax.Array, max_new: jax.Array,
     return (length - prompt_len >= max_new) | (length >= buffer_len)  # [B]
 
 
+def custom_stop(criteria: Sequence[StoppingCriterionFn], ctx, scores: jax.Array) -> jax.Array:
+    """bool [B]: any user criterion asks to stop the row."""
+    batch = ctx.length.shape[0]
+    hit = jnp.zeros((batch,), bool)
+    for criterion in criteria:
+        out = jnp.asarray(criterion(ctx, scores))
+        if out.dtype != bool or out.shape not in ((batch,), ()):
+            raise ValueError(f"stopping criterion {criterion!r} must return bool [B] "
+                             f"(B={batch}), got {out.dtype} {out.shape}")
+        hit |= jnp.broadcast_to(out, (batch,))
+    return hit  # [B]
+
+
 def update_stop(done: jax.Array, reason: jax.Array, newly_eos: jax.Array,
-                newly_full: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Marks rows done, recording the first reason that stopped them (EOS wins ties)."""
-    reason = jnp.where(done, reason,
-                       jnp.where(newly_eos, EOS, jnp.where(newly_full, MAX_LENGTH, NOT_STOPPED)))
-    return done | newly_eos | newly_full, reason.astype(jnp.int32)
+                newly_full: jax.Array, newly_stop_string: jax.Array | None = None,
+                newly_custom: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Marks rows done, recording the first reason that stopped them.
+
+    Priority at the same step: EOS, STOP_STRING, CUSTOM, MAX_LENGTH. Rows already done keep
+    their reason.
+    """
+    none = jnp.zeros_like(done)
+    stop_string = none if newly_stop_string is None else newly_stop_string
+    custom = none if newly_custom is None else newly_custom
+    new_reason = jnp.where(newly_eos, EOS, jnp.where(
+        stop_string, STOP_STRING, jnp.where(custom, CUSTOM, jnp.where(
+            newly_full, MAX_LENGTH, NOT_STOPPED))))
+    reason = jnp.where(done, reason, new_reason)
+    return done | newly_eos | newly_full | stop_string | custom, reason.astype(jnp.int32)

@@ -36,11 +36,19 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str], *, chat: bool) -> li
 
 def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                   cfg: GenerationConfig | None = None, *, chat: bool = False, key=None,
-                  skip_special_tokens: bool = True, **overrides: Any) -> list[str]:
-    """Generates a continuation per prompt and returns only the new text of each row."""
+                  skip_special_tokens: bool = True, logits_processor=(), stopping_criteria=(),
+                  custom_generate=None, assistant_model=None, **overrides: Any) -> list[str]:
+    """Generates a continuation per prompt and returns only the new text of each row.
+
+    assistant_model: `(model, params)` of a draft model: assisted decoding (jaxgen.generate).
+
+    The tokenizer also builds the stop-string tables when cfg.stop_strings is set.
+    """
     cfg = default_config(model, cfg, **overrides)
     rows = encode_prompts(tokenizer, prompts, chat=chat)
-    out = generate(params, init_state(model, rows, cfg, key), cfg)
+    out = generate(params, init_state(model, rows, cfg, key, tokenizer=tokenizer), cfg,
+                   logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                   custom_generate=custom_generate, assistant_model=assistant_model)
     texts = []
     for prompt, full in zip(rows, outputs_to_lists(out)):
         texts.append(tokenizer.decode(full[len(prompt):], skip_special_tokens=skip_special_tokens))

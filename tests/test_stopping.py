@@ -1,0 +1,100 @@
+"""Stopping: stop reasons, and stop strings against transformers' StopStringCriteria on the
+real SmolLM2 vocabulary (the check must fire at exactly the same positions)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxgen import stopping
+from jaxgen.stopping_strings import build_stop_tables, stop_string_hit
+
+TEXT = ("The cat sat on the mat.\n\nUser: where is the stop sign?\nAssistant: stopping "
+        "is unstoppable; the bus-stop is at 42nd St. — café naïve 日本語 ok.\n\nUser:done")
+STOPS = ["\n\n", "User:", "stop", "at on", "mat.\n", "St. —", "日本", "é n", "is at 4"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizers():
+    models = pytest.importorskip("jaxgen.models")
+    try:
+        _, _, tok = models.load("smollm2-135m-instruct")
+    except Exception as error:  # the embedded model is not installed
+        pytest.skip(f"SmolLM2 not available: {error}")
+    import transformers
+
+    return tok, transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend)
+
+
+def _hf_hits(hf_tok, stops, ids):
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    criteria = StopStringCriteria(hf_tok, stops)
+    return [bool(criteria(torch.tensor([ids[:n]]), None)[0]) for n in range(1, len(ids) + 1)]
+
+
+def _our_hits(tables, ids, pad_to=None):
+    """Hit flag after each prefix, evaluated for all prefixes at once as a ragged batch."""
+    n = len(ids)
+    width = pad_to or n
+    tokens = np.full((n, width), 7, np.int32)  # garbage after each row's length
+    for row in range(n):
+        tokens[row, :n] = ids
+    lengths = np.arange(1, n + 1, dtype=np.int32)
+    return np.asarray(jax.jit(stop_string_hit)(tables, jnp.asarray(tokens),
+                                               jnp.asarray(lengths))).tolist()
+
+
+@pytest.mark.parametrize("stops", [[s] for s in STOPS] + [STOPS])
+def test_stop_strings_fire_where_transformers_does(smollm2_tokenizers, stops):
+    tok, hf_tok = smollm2_tokenizers
+    ids = tok.encode(TEXT)
+    tables = build_stop_tables(tok, stops, 49152)
+    want = _hf_hits(hf_tok, stops, ids)
+    assert any(want), "the text should contain every stop string"
+    assert _our_hits(tables, ids, pad_to=len(ids) + 5) == want
+
+
+def test_stop_string_spanning_tokens_and_partial_tokens(smollm2_tokenizers):
+    tok, hf_tok = smollm2_tokenizers
+    ids = tok.encode("the bus-stop is unstoppable")
+    pieces = [tok.decode([i]) for i in ids]
+    for stop in ("s-st", "unsto", "stoppa", "p is u"):
+        text_hits = _hf_hits(hf_tok, [stop], ids)
+        assert sum(text_hits) >= 1, (stop, pieces)
+        assert _our_hits(build_stop_tables(tok, [stop], 49152), ids) == text_hits
+
+
+def test_random_token_sequences_match(smollm2_tokenizers):
+    """Random tokens drawn from those that overlap the stop strings."""
+    tok, hf_tok = smollm2_tokenizers
+    stops = ["ab", "a b", "abc\n", "  x"]
+    pool = sorted({i for s in ("ab abc abc\n xx  x a b ba c\n", "b a  xa bab") for i in
+                   tok.encode(s)} | set(range(200, 230)))
+    rng = np.random.default_rng(0)
+    tables = build_stop_tables(tok, stops, 49152)
+    for _ in range(10):
+        ids = [int(i) for i in rng.choice(pool, size=30)]
+        assert _our_hits(tables, ids) == _hf_hits(hf_tok, stops, ids)
+
+
+def test_stop_strings_need_a_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer"):
+        build_stop_tables(None, ["x"])
+
+
+def test_stop_reason_priority():
+    done = jnp.array([False, False, False, False, False, True])
+    reason = jnp.zeros(6, jnp.int32).at[5].set(stopping.CUSTOM)
+    eos = jnp.array([True, False, False, False, False, True])
+    full = jnp.array([True, True, False, True, False, True])
+    string = jnp.array([True, True, True, False, False, False])
+    custom = jnp.array([True, True, True, True, False, False])
+    new_done, new_reason = stopping.update_stop(done, reason, eos, full, string, custom)
+    assert new_done.tolist() == [True, True, True, True, False, True]
+    assert new_reason.tolist() == [stopping.EOS, stopping.STOP_STRING, stopping.STOP_STRING,
+                                   stopping.CUSTOM, stopping.NOT_STOPPED, stopping.CUSTOM]
+    assert stopping.STOP_REASONS[stopping.STOP_STRING] == "stop_string"
+    assert stopping.STOP_REASONS[stopping.CUSTOM] == "custom"
