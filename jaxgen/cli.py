@@ -1,37 +1,60 @@
-"""The `jaxgen` command: answer a prompt with a model (the embedded default if none named).
+"""The `jaxgen` command: stream an answer, chat, or run a JSONL batch.
 
-    $ jaxgen "What is the capital of France?"
-    $ jaxgen --model ./my-hf-folder --max-new-tokens 64 --do-sample --temperature 0.7 "Hi"
+    $ jaxgen "What is the capital of France?"             # streams, then a summary line
+    $ jaxgen --chat                                         # interactive, history kept
+    $ jaxgen --input prompts.jsonl --output out.jsonl       # batch work with a progress bar
+    $ jaxgen --model ./hf-folder --do-sample --temperature 0.7 --seed 1 "Hi"
 
-Errors are one clear line on stderr and a non-zero exit code, never a traceback.
+With no --model the embedded default (SmolLM2-135M-Instruct) answers. Errors are one line on
+stderr and a non-zero exit code (2 usage, 3 model, 4 input file, 1 anything else), never a
+traceback.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
-EXIT_USAGE, EXIT_MODEL, EXIT_RUNTIME = 2, 3, 1
+EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_INPUT = 1, 2, 3, 4
+
+
+class CliError(Exception):
+    """A one-line error with its exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise CliError(f"{message} (see jaxgen --help)", EXIT_USAGE)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxgen", description="Generate text with a JAX-compiled decoder.")
+    parser = _Parser(prog="jaxgen", description="Generate text with a JAX-compiled decoder.")
     parser.add_argument("prompt", nargs="?", help="the prompt (read from stdin if omitted)")
     parser.add_argument("--model", default=None,
-                        help="a Hugging Face checkpoint folder, a .gguf file, or a known name "
+                        help="a Hugging Face checkpoint folder, a .gguf file or a known name "
                              "(default: the embedded smollm2-135m-instruct)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-chat", action="store_true",
+    parser.add_argument("--chat", action="store_true", help="interactive chat (stdin), history kept")
+    parser.add_argument("--no-chat-template", action="store_true",
                         help="send the raw prompt instead of wrapping it in the chat template")
+    parser.add_argument("--input", help="JSONL file of {\"prompt\": ...} or {\"messages\": [...]}")
+    parser.add_argument("--output", help="JSONL file to write (with --input)")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per batch with --input")
+    parser.add_argument("--no-stream", action="store_true", help="print the answer at the end")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--quiet", action="store_true", help="print only the answer")
+    parser.add_argument("--quiet", action="store_true", help="no summary line")
     return parser
 
 
@@ -39,62 +62,228 @@ def _overrides(args) -> dict:
     fields = {"max_new_tokens": args.max_new_tokens}
     if args.do_sample:
         fields["do_sample"] = True
-    for name in ("temperature", "top_k", "top_p"):
+    for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
         value = getattr(args, name)
         if value is not None:
             fields[name] = value
     return fields
 
 
-def run(args) -> int:
-    import jax
+class _CompileClock:
+    """Sums XLA compile time reported by jax.monitoring while active."""
+
+    def __init__(self):
+        import jax
+
+        self.seconds = 0.0
+        self.active = True
+
+        def listener(event, duration, **_):
+            if self.active and event.endswith("backend_compile_duration"):
+                self.seconds += duration
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+def load_model(args):
     import jax.numpy as jnp
 
-    import jaxgen
     from jaxgen import models
+
+    name = args.model or models.DEFAULT_MODEL
+    try:
+        model, params, tokenizer = models.load(name, dtype=jnp.float32 if args.dtype == "float32"
+                                               else jnp.bfloat16)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise CliError(f"cannot load model {name!r}: {error}", EXIT_MODEL) from None
+    if tokenizer is None:
+        raise CliError(f"model {name!r} has no tokenizer.json: the command line needs text",
+                       EXIT_MODEL)
+    return model, params, tokenizer
+
+
+def make_config(model, args):
     from jaxgen.generate import default_config
 
+    try:
+        return default_config(model, None, **_overrides(args))
+    except ValueError as error:
+        raise CliError(str(error), EXIT_USAGE) from None
+
+
+def _rows(tokenizer, prompts, use_template: bool) -> list[list[int]]:
+    from jaxgen.text import encode_prompts
+
+    return encode_prompts(tokenizer, prompts, chat=use_template)
+
+
+def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, clock) -> str:
+    """Streams one answer to stdout; returns its text. Prints the summary on stderr."""
+    import jax
+
+    import jaxgen
+    from jaxgen.chunked import ChunkTimings
+    from jaxgen.streaming import TextStreamer
+
+    use_template = not args.no_chat_template and tokenizer.chat_template is not None
+    [row] = _rows(tokenizer, [messages_or_prompt], use_template)
+    pieces: list[str] = []
+
+    class Printer(TextStreamer):
+        def on_finalized_text(self, text, stream_end=False):
+            pieces.append(text)
+            if not args.no_stream:
+                print(text, end="" if not stream_end else "\n", flush=True)
+
+    timings = ChunkTimings()
+    compiled_before = clock.seconds
+    state = jaxgen.init_state(model, [row], cfg, jax.random.key(args.seed))
+    out = jaxgen.generate(params, state, cfg, streamer=Printer(tokenizer, skip_prompt=True,
+                                                               skip_special_tokens=True),
+                          timings=timings)
+    text = "".join(pieces)
+    if args.no_stream:
+        print(text.strip())
+    new_tokens = int(out.lengths[0] - out.prompt_lengths[0])
+    if not args.quiet:
+        compile_s = clock.seconds - compiled_before
+        rate = new_tokens / max(timings.total_s - compile_s, 1e-9)
+        print(f"[{new_tokens} new tokens, {rate:.1f} tokens/s, first token "
+              f"{timings.first_token_s:.2f}s, compile {compile_s:.1f}s]", file=sys.stderr)
+    return text
+
+
+def run_chat(model, params, tokenizer, cfg, args, clock) -> int:
+    if tokenizer.chat_template is None:
+        raise CliError("--chat needs a model with a chat template", EXIT_MODEL)
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        user = line.strip()
+        if not user:
+            continue
+        if user in ("/exit", "/quit"):
+            break
+        if user == "/reset":
+            history.clear()
+            continue
+        history.append({"role": "user", "content": user})
+        reply = answer_streaming(model, params, tokenizer, cfg, list(history), args, clock)
+        history.append({"role": "assistant", "content": reply.strip()})
+    return 0
+
+
+def _read_jsonl(path: str) -> list:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [line for line in handle if line.strip()]
+    except OSError as error:
+        raise CliError(f"cannot read --input {path!r}: {error.strerror}", EXIT_INPUT) from None
+    items = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise CliError(f"{path}:{number}: not valid JSON ({error.msg})", EXIT_INPUT) from None
+        if isinstance(record, str):
+            record = {"prompt": record}
+        if not isinstance(record, dict) or not ("prompt" in record or "messages" in record):
+            raise CliError(f"{path}:{number}: expected an object with \"prompt\" or "
+                           f"\"messages\"", EXIT_INPUT)
+        items.append(record)
+    if not items:
+        raise CliError(f"--input {path!r} holds no prompts", EXIT_INPUT)
+    return items
+
+
+def run_batch(model, params, tokenizer, cfg, args) -> int:
+    import jax
+    from tqdm import tqdm
+
+    import jaxgen
+
+    if args.batch_size < 1:
+        raise CliError("--batch-size must be >= 1", EXIT_USAGE)
+    records = _read_jsonl(args.input)
+    use_template = not args.no_chat_template and tokenizer.chat_template is not None
+    try:
+        sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as error:
+        raise CliError(f"cannot write --output {args.output!r}: {error.strerror}",
+                       EXIT_INPUT) from None
+    total_new, start = 0, time.perf_counter()
+    with tqdm(total=len(records), unit="prompt", file=sys.stderr, disable=args.quiet) as bar:
+        for first in range(0, len(records), args.batch_size):
+            chunk = records[first:first + args.batch_size]
+            prompts = [r.get("messages", r.get("prompt")) for r in chunk]
+            rows = _rows(tokenizer, prompts, use_template)
+            keys = jax.random.split(jax.random.key(args.seed), len(rows))
+            out = jaxgen.generate(params, jaxgen.init_state(model, rows, cfg, keys), cfg)
+            for record, row, full in zip(chunk, rows, _lists(out)):
+                new = full[len(row):]
+                total_new += len(new)
+                result = dict(record)
+                result["completion"] = tokenizer.decode(new, skip_special_tokens=True)
+                result["new_tokens"] = len(new)
+                sink.write(json.dumps(result, ensure_ascii=False) + "\n")
+            sink.flush()
+            bar.update(len(chunk))
+    if sink is not sys.stdout:
+        sink.close()
+    if not args.quiet:
+        elapsed = time.perf_counter() - start
+        print(f"[{len(records)} prompts, {total_new} new tokens, {total_new / elapsed:.1f} "
+              f"tokens/s]", file=sys.stderr)
+    return 0
+
+
+def _lists(out):
+    from jaxgen.generate import outputs_to_lists
+
+    return outputs_to_lists(out)
+
+
+def run(args) -> int:
+    if args.max_new_tokens < 1:
+        raise CliError("--max-new-tokens must be >= 1", EXIT_USAGE)
+    if args.output and not args.input:
+        raise CliError("--output needs --input", EXIT_USAGE)
+    if args.chat and (args.input or args.prompt):
+        raise CliError("--chat reads turns from stdin: drop the prompt / --input", EXIT_USAGE)
+    clock = _CompileClock()
+    model, params, tokenizer = load_model(args)
+    cfg = make_config(model, args)
+    if args.input:
+        return run_batch(model, params, tokenizer, cfg, args)
+    if args.chat:
+        return run_chat(model, params, tokenizer, cfg, args, clock)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
-        print("jaxgen: error: empty prompt", file=sys.stderr)
-        return EXIT_USAGE
-    dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
-    try:
-        model, params, tokenizer = models.load(args.model or models.DEFAULT_MODEL, dtype=dtype)
-    except (FileNotFoundError, ValueError, OSError) as error:
-        print(f"jaxgen: error: cannot load model: {error}", file=sys.stderr)
-        return EXIT_MODEL
-    try:
-        cfg = default_config(model, None, **_overrides(args))
-    except ValueError as error:
-        print(f"jaxgen: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    chat = not args.no_chat and getattr(tokenizer, "chat_template", None) is not None
-    start = time.perf_counter()
-    try:
-        [answer] = jaxgen.generate_text(model, params, tokenizer, [prompt], cfg, chat=chat,
-                                        key=jax.random.key(args.seed))
-    except ValueError as error:
-        print(f"jaxgen: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    elapsed = time.perf_counter() - start
-    print(answer.strip())
-    if not args.quiet:
-        print(f"[{args.model or models.DEFAULT_MODEL}: {elapsed:.1f}s including compilation]",
-              file=sys.stderr)
+        raise CliError("empty prompt", EXIT_USAGE)
+    answer_streaming(model, params, tokenizer, cfg, prompt, args, clock)
     return 0
 
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be >= 1")
     try:
+        if argv is None and len(sys.argv) == 1 and sys.stdin.isatty():
+            build_parser().print_help()
+            return EXIT_USAGE
+        args = build_parser().parse_args(argv)
         return run(args)
+    except CliError as error:
+        print(f"jaxgen: error: {error}", file=sys.stderr)
+        return error.code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return 0
     except Exception as error:  # one line, never a traceback
         print(f"jaxgen: error: {type(error).__name__}: {error}", file=sys.stderr)
         return EXIT_RUNTIME

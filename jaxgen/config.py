@@ -86,8 +86,6 @@ HF_DEFAULTS: dict[str, Any] = {
 # Fields Hugging Face knows that jaxgen accepts only at their neutral value (for now).
 # An issue that implements one removes it from here.
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "max_time": ("max_time (it needs the chunked streaming driver, which does not exist yet; "
-                 "bound the output with max_new_tokens / max_length)"),
     "assistant_early_exit": "self-speculative early exit",
     "use_mtp": "multi-token prediction",
 }
@@ -315,6 +313,10 @@ class GenerationConfig:
         if (not isinstance(self.num_beams, (int, np.integer)) or isinstance(self.num_beams, bool)
                 or self.num_beams < 1):
             raise ValueError(f"`num_beams` must be an int >= 1, got {self.num_beams!r}")
+        if self.max_time is not None and (isinstance(self.max_time, bool) or not isinstance(
+                self.max_time, (int, float, np.floating, np.integer)) or not self.max_time > 0):
+            raise ValueError(f"`max_time` must be a number of seconds > 0 (or None), got "
+                             f"{self.max_time!r}")
         self._validate_beam_fields()
         self._validate_processor_fields()
         self._validate_cache_fields()

@@ -21,6 +21,7 @@ import numpy as np
 from jaxgen import stopping
 from jaxgen.config import DYNAMIC_FIELDS, GenerationConfig
 from jaxgen.beam import beam_search
+from jaxgen.chunked import DEFAULT_CHUNK, needs_chunked, run_chunked
 from jaxgen.decode import decode_loop
 from jaxgen.extensions import (NO_EXTENSIONS, Extensions, accepts_hooks, make_extensions,
                                resolve_custom_generate)
@@ -181,9 +182,37 @@ def _generate_growing(params, state, cfg, ext, custom, assisted: bool, traced: b
                           logits=record.logits, state=final)
 
 
+def _generate_chunked(params, state, cfg, ext, custom, assisted: bool, traced: bool, *,
+                      streamer, stop_event, chunk_size, timings):
+    """Streaming / max_time / cancellation: the host-side chunked driver (jaxgen.chunked)."""
+    what = "streamer / max_time / stop_event"
+    if traced:
+        raise ValueError(f"{what} need the host between chunks: they cannot run under "
+                         f"jax.vmap / jit around generate")
+    if custom is not None:
+        raise ValueError(f"{what} cannot be combined with custom_generate (it owns the loop)")
+    if cfg.num_beams > 1:
+        raise ValueError(f"{what} are not supported with beam search (num_beams > 1), as in "
+                         f"Hugging Face; use greedy or sampling")
+    if assisted:
+        raise ValueError(f"{what} are not supported with assisted decoding yet")
+    if cfg.cache_implementation == "dynamic":
+        raise ValueError(f"{what} are not supported with cache_implementation='dynamic' yet")
+    jit_cfg = canonical_config(cfg.replace(max_time=None))
+    final, record = run_chunked(params, state, jit_cfg, ext, streamer=streamer,
+                                chunk_size=DEFAULT_CHUNK if chunk_size is None else chunk_size,
+                                max_time=cfg.max_time,
+                                stop_event=stop_event, timings=timings)
+    return GenerateOutput(sequences=final.tokens, lengths=final.length,
+                          prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
+                          token_logprobs=record.token_logprobs, scores=record.scores,
+                          logits=record.logits, state=final)
+
+
 def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
              stopping_criteria=(), custom_generate=None, assistant_model=None,
-             num_assistant_tokens=None) -> GenerateOutput:
+             num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
+             timings=None) -> GenerateOutput:
     """Decodes every row of `state` to completion under `cfg`. Consumes `state`.
 
     logits_processor / stopping_criteria / custom_generate: user hooks, static for the jit
@@ -193,6 +222,10 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     `prompt_lookup_num_tokens` runs prompt lookup decoding without one.
     num_assistant_tokens: optional per-row int32 [B] (or one int) starting draft length, e.g.
     a previous output's `speculative.num_assistant_tokens` ("heuristic" schedule); dynamic.
+    streamer: a jaxgen.streaming streamer (batch 1) or one per row; with `cfg.max_time` or a
+    `stop_event` (threading.Event) it runs the chunked driver (jaxgen.chunked), `chunk_size`
+    steps per jit call, with identical tokens. timings: an optional jaxgen.chunked.ChunkTimings
+    filled in by the chunked driver (time to first token, chunks).
     """
     if not isinstance(cfg, GenerationConfig):
         raise TypeError(f"cfg must be a jaxgen.GenerationConfig, got {type(cfg).__name__}")
@@ -211,6 +244,10 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     # shared by every mapped call.
     traced = any(isinstance(leaf, jax.core.Tracer)
                  for leaf in jax.tree_util.tree_leaves((state, cfg)))
+    if needs_chunked(cfg, streamer, stop_event):
+        return _generate_chunked(params, state, cfg, ext, custom, drafter is not None, traced,
+                                 streamer=streamer, stop_event=stop_event,
+                                 chunk_size=chunk_size, timings=timings)
     if cfg.cache_implementation == "dynamic":
         return _generate_growing(params, state, cfg, ext, custom, drafter is not None, traced)
     if drafter is not None:
@@ -253,8 +290,8 @@ def outputs_to_lists(out: GenerateOutput) -> list[list[int]]:
 
 def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *, key=None,
                  tokenizer=None, logits_processor=(), stopping_criteria=(),
-                 custom_generate=None, assistant_model=None,
-                 **overrides: Any) -> list[list[int]]:
+                 custom_generate=None, assistant_model=None, streamer=None,
+                 stop_event=None, **overrides: Any) -> list[list[int]]:
     """Prompt + generated ids per row, padding removed (HF's output, row by row).
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (see `generate`).
@@ -270,7 +307,8 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
     return outputs_to_lists(generate(params, state, cfg, logits_processor=logits_processor,
                                      stopping_criteria=stopping_criteria,
                                      custom_generate=custom_generate,
-                                     assistant_model=assistant_model))
+                                     assistant_model=assistant_model, streamer=streamer,
+                                     stop_event=stop_event))
 
 
 __all__ = ["GenerateOutput", "generate", "generate_ids", "default_config", "trace_count",

@@ -37,10 +37,13 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str], *, chat: bool) -> li
 def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                   cfg: GenerationConfig | None = None, *, chat: bool = False, key=None,
                   skip_special_tokens: bool = True, logits_processor=(), stopping_criteria=(),
-                  custom_generate=None, assistant_model=None, **overrides: Any) -> list[str]:
+                  custom_generate=None, assistant_model=None, streamer=None, stop_event=None,
+                  timings=None, **overrides: Any) -> list[str]:
     """Generates a continuation per prompt and returns only the new text of each row.
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (jaxgen.generate).
+    streamer: a jaxgen.streaming streamer (one prompt) or one per prompt; it receives the
+    prompt ids first (use skip_prompt=True to hide them), then the new tokens as they come.
 
     The tokenizer also builds the stop-string tables when cfg.stop_strings is set.
     """
@@ -48,7 +51,8 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
     rows = encode_prompts(tokenizer, prompts, chat=chat)
     out = generate(params, init_state(model, rows, cfg, key, tokenizer=tokenizer), cfg,
                    logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                   custom_generate=custom_generate, assistant_model=assistant_model)
+                   custom_generate=custom_generate, assistant_model=assistant_model,
+                   streamer=streamer, stop_event=stop_event, timings=timings)
     texts = []
     for prompt, full in zip(rows, outputs_to_lists(out)):
         texts.append(tokenizer.decode(full[len(prompt):], skip_special_tokens=skip_special_tokens))

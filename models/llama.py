@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgen.cache import CACHE_KINDS, KVCache
+from jaxgen.cache import CACHE_KINDS, KVCache, make_cache
 
 from . import rope as rope_lib
 from .rope import freeze  # re-exported for loaders
@@ -89,7 +89,7 @@ class LlamaConfig:
     pad_token_id: int | None = None
     generation_defaults: tuple[tuple[str, Any], ...] = ()
     architecture: str = "LlamaForCausalLM"
-    sliding_window: int | None = None  # recorded but NOT applied (full attention everywhere)
+    sliding_window: int | None = None  # Mistral: every layer sees keys p - W < j <= p
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -138,9 +138,7 @@ class LlamaConfig:
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
         bos = gen.get("bos_token_id", config.get("bos_token_id"))
         pad = gen.get("pad_token_id", config.get("pad_token_id"))
-        window = config.get("sliding_window")
-        if is_qwen2 and not config.get("use_sliding_window", False):
-            window = None
+        window = _uniform_window(arch, config)
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=hidden,
@@ -172,6 +170,28 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+def _uniform_window(arch: str, config: dict) -> int | None:
+    """The sliding window every layer uses (None: full attention everywhere).
+
+    Qwen2/Qwen3 slide only with use_sliding_window, and only layers >= max_window_layers (or
+    those HF's `layer_types` marks); a mix of sliding and full layers is not supported.
+    """
+    window = config.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not config.get("use_sliding_window", False) or window is None:
+            return None
+        layers = config["num_hidden_layers"]
+        types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", layers)
+            else "full_attention" for i in range(layers)]
+        if all(t == "full_attention" for t in types):
+            return None
+        if not all(t == "sliding_attention" for t in types):
+            raise ValueError(f"{arch}: sliding windows on some layers only (max_window_layers="
+                             f"{config.get('max_window_layers')}) are not supported")
+    return window
 
 
 def _as_id_tuple(value) -> tuple[int, ...]:
@@ -211,13 +231,15 @@ class Llama:
         return self.config.vocab_size
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32,
-                   kind: str = "static") -> KVCache:
-        """An empty cache: k, v [L, batch, max_len, Hkv, Dh], length zeros."""
+                   kind: str = "static", cache_config: dict | None = None) -> KVCache:
+        """An empty cache of `kind` (jaxgen.cache.CACHE_KINDS, HF's cache_implementation
+        names) for `max_len` positions; the static kind is k, v [L, batch, max_len, Hkv, Dh]."""
         if kind not in CACHE_KINDS:
             raise ValueError(f"unknown cache kind {kind!r}; allowed: {', '.join(CACHE_KINDS)}")
         cfg = self.config
-        return KVCache.init(num_layers=cfg.num_layers, batch=batch, max_len=max_len,
-                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
+        return make_cache(kind, num_layers=cfg.num_layers, batch=batch, max_len=max_len,
+                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+                          sliding_window=cfg.sliding_window, cache_config=cache_config)
 
     def init_params(self, key: jax.Array, dtype=jnp.float32) -> dict:
         """Random parameters (normal, std 0.02; norms at 1) in the params layout above."""
@@ -309,8 +331,8 @@ class Llama:
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)  # [B, S, K, Dh]
         q = apply_rope(q, cos, sin)  # [B, S, H, Dh]
         k = apply_rope(k, cos, sin)  # [B, S, K, Dh]
-        cache = cache.update(index, k, v, positions)
-        attn = cache.attend(index, q, positions, scale=cfg.head_dim ** -0.5)  # [B, S, H, Dh]
+        attn, cache = cache.update_attend(index, q, k, v, positions, scale=cfg.head_dim ** -0.5,
+                                          window=cfg.sliding_window)  # [B, S, H, Dh]
         out = attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim) @ p["wo"]  # [B, S, D]
         if cfg.attention_out_bias:
             out = out + p["bo"]

@@ -1,0 +1,163 @@
+"""Cache bytes and decode tokens/s for every cache kind at contexts 1k, 4k and 16k.
+
+Model: a random Llama with 8 layers, 8 query heads and 8 KV heads of head_dim 64
+(hidden 512, MLP 1024, vocab 2048), fp32, batch 1. The hidden size is small so that the
+16k-context runs of every kind fit in ~10 minutes on a 2-core CPU; the KV cache (8 x 8 x 64
+per token and layer, 32 KiB/token in fp32) then dominates the bytes read per step, which is
+what the cache kinds change.
+
+The cache is filled with random K/V up to the context (through each kind's own `update`, so
+int8 codes and ring slots are real), then `--steps` greedy decode steps run in one jitted
+`fori_loop` (timed after a warm-up call). Fixed-size kinds are allocated for context + 2 *
+steps; "dynamic" holds the power-of-two bucket jaxgen.growing would have grown to;
+"sliding_window" uses a 4096-token window (the model gets sliding_window=4096 for that row
+only) plus 64 slots of rollback slack; "offloaded" is a no-op on CPU (host memory is the
+device memory), so it measures the same program as "static".
+
+    python benchmarks/bench_cache.py [--contexts 1024 4096 16384] [--steps 16]
+
+Prints a markdown table and saves benchmarks/bench_cache.png.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.models import Llama, LlamaConfig
+from jaxgen.state import _next_pow2
+
+BASE = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers=8,
+            num_heads=8, num_kv_heads=8, head_dim=64, max_position_embeddings=32768)
+WINDOW = 4096
+FILL_CHUNK = 1024
+CHUNK = 64  # the growing driver's default chunk_size
+KINDS = {  # label -> (cache_implementation, cache_config, model window)
+    "static": ("static", None, None),
+    "dynamic": ("dynamic", None, None),
+    "quantized int8": ("quantized", {"nbits": 8}, None),
+    "quantized 4-bit (g=32)": ("quantized", {"nbits": 4, "q_group_size": 32}, None),
+    "sliding_window 4096": ("sliding_window", {"rollback_slack": 64}, WINDOW),
+    "offloaded (CPU: no-op)": ("offloaded", None, None),
+}
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(1,))
+def fill(cache, context: int, key):
+    """Writes random K/V at positions 0..context-1 of every layer, in chunks."""
+    heads, head_dim = BASE["num_kv_heads"], BASE["head_dim"]
+    for start in range(0, context, FILL_CHUNK):
+        size = min(FILL_CHUNK, context - start)
+        positions = jnp.arange(start, start + size, dtype=jnp.int32)[None]  # [1, C]
+
+        def body(layer, c, start=start, size=size, positions=positions):
+            k1, k2 = jax.random.split(jax.random.fold_in(key, layer * 100003 + start))
+            k = jax.random.normal(k1, (1, size, heads, head_dim))  # [1, C, Hkv, Dh]
+            v = jax.random.normal(k2, (1, size, heads, head_dim))
+            return c.update(layer, k, v, positions)
+
+        cache = jax.lax.fori_loop(0, BASE["num_layers"], body, cache)
+    return cache.with_length(jnp.full((1,), context, jnp.int32))
+
+
+def make_decode(model, steps: int):
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def decode(params, cache, token, start):
+        def body(i, carry):
+            cache, token = carry
+            position = jnp.reshape(start + i, (1, 1)).astype(jnp.int32)
+            out = model(params, token[:, None], position, cache)
+            return out.cache, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, steps, body, (cache, token))
+    return decode
+
+
+def run_one(label: str, context: int, steps: int) -> dict:
+    kind, cache_config, window = KINDS[label]
+    model = Llama(LlamaConfig(**BASE, sliding_window=window))
+    params = model.init_params(jax.random.key(0))
+    capacity = context + 2 * steps
+    if kind == "dynamic":
+        capacity = _next_pow2(context + 2 * steps + CHUNK)
+    cache = model.init_cache(1, capacity, kind=kind, cache_config=cache_config)
+    cache = fill(cache, context, jax.random.key(1))
+    nbytes = cache.nbytes()
+    decode = make_decode(model, steps)
+    token = jnp.zeros((1,), jnp.int32)
+    t0 = time.perf_counter()
+    cache, token = decode(params, cache, token, jnp.int32(context))
+    token.block_until_ready()
+    compile_and_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cache, token = decode(params, cache, token, jnp.int32(context + steps))
+    token.block_until_ready()
+    elapsed = time.perf_counter() - t0
+    return dict(kind=label, context=context, bytes=nbytes, tokens_per_s=steps / elapsed,
+                first_call_s=compile_and_first)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
+    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__),
+                                                       "bench_cache.png"))
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    rows = []
+    for context in args.contexts:
+        for label in args.kinds:
+            row = run_one(label, context, args.steps)
+            rows.append(row)
+            print(f"  {label:24s} ctx {context:6d}: {row['bytes'] / 2**20:8.1f} MiB  "
+                  f"{row['tokens_per_s']:7.1f} tok/s  (first call {row['first_call_s']:.1f}s)",
+                  flush=True)
+    static = {r["context"]: r for r in rows if r["kind"] == "static"}
+    print(f"\nRandom Llama, 8 layers, 8 KV heads x 64, hidden 512, fp32, batch 1, "
+          f"{args.steps} decode steps ({jax.devices()[0].platform}, "
+          f"{os.cpu_count()} cores); total {time.perf_counter() - start:.0f}s\n")
+    print("| kind | context | cache MiB | x static bytes | decode tok/s | x static speed |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ref = static.get(r["context"])
+        rel_b = f"{r['bytes'] / ref['bytes']:.3f}" if ref else "-"
+        rel_s = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "-"
+        print(f"| {r['kind']} | {r['context']} | {r['bytes'] / 2**20:.1f} | {rel_b} | "
+              f"{r['tokens_per_s']:.1f} | {rel_s} |")
+    plot(rows, args.plot)
+    print(f"\nplot: {args.plot}")
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_bytes, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == label]
+        ctx = [r["context"] for r in mine]
+        ax_bytes.plot(ctx, [r["bytes"] / 2**20 for r in mine], marker="o", label=label)
+        ax_speed.plot(ctx, [r["tokens_per_s"] for r in mine], marker="o", label=label)
+    for ax, title, unit in ((ax_bytes, "KV cache size", "MiB"),
+                            (ax_speed, "decode speed (batch 1)", "tokens / s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_bytes.set_yscale("log", base=2)
+    ax_speed.legend(fontsize=8)
+    fig.suptitle("jaxgen cache kinds: random Llama, 8 layers, 8 KV heads x 64, fp32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

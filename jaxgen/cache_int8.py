@@ -1,0 +1,246 @@
+"""Quantized KV cache: int8 (or packed 4-bit) codes with per-token, per-head scales.
+
+    kq, vq      int8  [L, B, T, Hkv, Dh]       (nbits=8)
+                uint8 [L, B, T, Hkv, Dh/2]     (nbits=4: two signed 4-bit codes a byte)
+    k_scale,    [L, B, T, Hkv, N]              N = Dh / q_group_size groups per head
+    v_scale                                    (N = 1: one scale per token and head), in the
+                                               cache dtype
+    rk, rv      [L, B, R+slack, Hkv, Dh]       full-precision ring of the most recent tokens
+    rpos        int32 [L, B, R+slack]          (residual_length = R > 0 only, else None)
+    length      int32 [B]
+
+Quantization is symmetric: scale = max|x| / qmax per (token, head, group), code =
+round(x / scale), qmax = 127 (int8) or 7 (4-bit). Attention never dequantizes the cache: the
+query-key products are multiplied by the key scales, the attention weights by the value
+scales (jaxgen.cache_attention).
+
+Which precision a key is read in depends only on its age relative to the query:
+age = p - j < residual_length reads the full-precision copy, older keys read the codes. So
+the result does not depend on how the tokens were chunked (prefill, one by one, speculative
+verify) and rolling back then regenerating reproduces a fresh run, as long as the residual
+ring still holds the recent keys (rollback <= rollback_slack + 1); past that, the affected
+keys fall back to their int8 codes (never to garbage).
+
+Bytes per token and head: Dh (int8) + N * itemsize scales. For Dh = 64, N = 1: 0.27x of fp32,
+0.52x of bf16 (plus the residual ring, if any).
+
+Example:
+    >>> c = QuantizedKVCache.init(num_layers=1, batch=1, max_len=8, num_kv_heads=1, head_dim=4)
+    >>> c.kq.dtype, c.k_scale.shape
+    (dtype('int8'), (1, 1, 8, 1, 1))
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback
+from jaxgen.cache_attention import KeyBlock, attend_blocks
+from jaxgen.cache_window import ring_write
+
+QMAX = {8: 127, 4: 7}
+
+
+def quantize(x: jax.Array, nbits: int, groups: int, scale_dtype):
+    """x [..., Dh] -> (codes int8 [..., Dh] (nbits=8) | uint8 [..., Dh/2] (4), scale [..., N])."""
+    head_dim = x.shape[-1]
+    xg = x.astype(jnp.float32).reshape(x.shape[:-1] + (groups, head_dim // groups))  # [..., N, g]
+    amax = jnp.max(jnp.abs(xg), axis=-1)  # [..., N]
+    scale = (amax / QMAX[nbits]).astype(scale_dtype)  # [..., N] as stored
+    safe = jnp.where(scale == 0, 1.0, scale.astype(jnp.float32))  # [..., N]
+    codes = jnp.clip(jnp.round(xg / safe[..., None]), -QMAX[nbits], QMAX[nbits])
+    codes = codes.astype(jnp.int8).reshape(x.shape)  # [..., Dh]
+    if nbits == 4:
+        codes = pack4(codes)  # [..., Dh/2]
+    return codes, scale
+
+
+def pack4(codes: jax.Array) -> jax.Array:
+    """int8 [..., Dh] in [-8, 7] -> uint8 [..., Dh/2] (even index in the low nibble)."""
+    nibbles = codes.astype(jnp.uint8) & 0xF  # [..., Dh]
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # [..., Dh/2]
+
+
+def unpack4(packed: jax.Array) -> jax.Array:
+    """uint8 [..., Dh/2] -> int8 [..., Dh] (sign-extended 4-bit codes)."""
+    low = (packed & 0xF).astype(jnp.int8)  # [..., Dh/2]
+    high = (packed >> 4).astype(jnp.int8)  # [..., Dh/2]
+    both = jnp.stack([low, high], axis=-1)  # [..., Dh/2, 2]
+    both = jnp.where(both > 7, both - 16, both).astype(jnp.int8)
+    return both.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))  # [..., Dh]
+
+
+def dequantize(codes: jax.Array, scale: jax.Array, nbits: int) -> jax.Array:
+    """For tests and reference only: codes + scale [..., N] -> float32 [..., Dh]."""
+    if nbits == 4:
+        codes = unpack4(codes)
+    groups = scale.shape[-1]
+    xg = codes.astype(jnp.float32).reshape(codes.shape[:-1] + (groups, -1))
+    return (xg * scale.astype(jnp.float32)[..., None]).reshape(codes.shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKVCache:
+    """int8 / 4-bit KV cache (cache_implementation="quantized"). A PyTree."""
+
+    kq: jax.Array  # int8 [L, B, T, Hkv, Dh] | uint8 [L, B, T, Hkv, Dh/2]
+    vq: jax.Array
+    k_scale: jax.Array  # [L, B, T, Hkv, N]
+    v_scale: jax.Array
+    rk: jax.Array | None  # [L, B, S, Hkv, Dh] residual ring (None when residual_length == 0)
+    rv: jax.Array | None
+    rpos: jax.Array | None  # int32 [L, B, S]
+    length: jax.Array  # int32 [B]
+    nbits: int = dataclasses.field(metadata=dict(static=True))
+    residual_length: int = dataclasses.field(metadata=dict(static=True))
+
+    kind: ClassVar[str] = "quantized"
+
+    @classmethod
+    def init(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
+             head_dim: int, dtype=jnp.float32, nbits: int = 8, group_size: int | None = None,
+             residual_length: int = 0, rollback_slack: int = 0) -> "QuantizedKVCache":
+        if nbits not in QMAX:
+            raise ValueError(f"nbits={nbits!r} is not supported (allowed: 8, 4)")
+        group_size = group_size or head_dim
+        if head_dim % group_size or (nbits == 4 and head_dim % 2):
+            raise ValueError(f"q_group_size={group_size} must divide head_dim={head_dim} "
+                             f"(and head_dim must be even for nbits=4)")
+        lead = (num_layers, batch, max_len, num_kv_heads)
+        code_dim = head_dim if nbits == 8 else head_dim // 2
+        code_dtype = jnp.int8 if nbits == 8 else jnp.uint8
+        groups = head_dim // group_size
+        rk = rv = rpos = None
+        if residual_length > 0:
+            slots = min(int(max_len), int(residual_length) + int(rollback_slack))
+            ring = (num_layers, batch, slots, num_kv_heads, head_dim)
+            rk, rv = jnp.zeros(ring, dtype), jnp.zeros(ring, dtype)
+            rpos = jnp.full((num_layers, batch, slots), -1, jnp.int32)
+        return cls(kq=jnp.zeros(lead + (code_dim,), code_dtype),
+                   vq=jnp.zeros(lead + (code_dim,), code_dtype),
+                   k_scale=jnp.zeros(lead + (groups,), dtype),
+                   v_scale=jnp.zeros(lead + (groups,), dtype),
+                   rk=rk, rv=rv, rpos=rpos, length=jnp.zeros((batch,), jnp.int32),
+                   nbits=int(nbits), residual_length=int(residual_length))
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def max_len(self) -> int:
+        return self.kq.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.kq.shape[1]
+
+    @property
+    def dtype(self):
+        return self.k_scale.dtype
+
+    def nbytes(self) -> int:
+        return cache_nbytes(self)
+
+    def batch_axes(self):
+        ring = None if self.rk is None else 1
+        return dataclasses.replace(self, kq=1, vq=1, k_scale=1, v_scale=1, rk=ring, rv=ring,
+                                   rpos=ring, length=0)
+
+    # ------------------------------------------------------------------ writes
+    def _write_codes(self, layer, k_new, v_new, positions) -> "QuantizedKVCache":
+        groups = self.k_scale.shape[-1]
+        kq, ks = quantize(k_new, self.nbits, groups, self.dtype)  # [B, S, Hkv, *]
+        vq, vs = quantize(v_new, self.nbits, groups, self.dtype)
+        batch, seq = positions.shape
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))  # [B, S]
+        layers = jnp.full((batch, seq), layer, jnp.int32)  # [B, S]
+        at = (layers, rows, positions)
+        return dataclasses.replace(
+            self, kq=self.kq.at[at].set(kq, mode="drop"), vq=self.vq.at[at].set(vq, mode="drop"),
+            k_scale=self.k_scale.at[at].set(ks, mode="drop"),
+            v_scale=self.v_scale.at[at].set(vs, mode="drop"))
+
+    def _write_ring(self, layer, k_new, v_new, positions) -> "QuantizedKVCache":
+        if self.rk is None:
+            return self
+        rk, rv, rpos = ring_write(self.rk, self.rv, self.rpos, layer, k_new, v_new, positions)
+        return dataclasses.replace(self, rk=rk, rv=rv, rpos=rpos)
+
+    def update(self, layer, k_new, v_new, positions) -> "QuantizedKVCache":
+        """Quantizes and writes one layer's new K/V [B, S, Hkv, Dh] at positions [B, S]."""
+        return self._write_codes(layer, k_new, v_new, positions)._write_ring(
+            layer, k_new, v_new, positions)
+
+    # ------------------------------------------------------------------ reads
+    def _codes_block(self, layer, bypass=None) -> KeyBlock:
+        kq, vq = self.kq[layer], self.vq[layer]  # [B, T, Hkv, *]
+        if self.nbits == 4:
+            kq, vq = unpack4(kq), unpack4(vq)  # codes only; never multiplied by the scales
+        return KeyBlock(k=kq, v=vq, positions=jnp.arange(self.max_len, dtype=jnp.int32),
+                        k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
+                        min_age=self.residual_length, bypass=bypass)
+
+    def _in_ring(self, layer) -> jax.Array:
+        """bool [B, T]: key j has its full-precision copy in the residual ring."""
+        rpos = self.rpos[layer]  # [B, S]
+        j = jnp.arange(self.max_len, dtype=jnp.int32)  # [T]
+        return jnp.take(rpos, j % rpos.shape[1], axis=1) == j[None]  # [B, T]
+
+    def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None):
+        """Attention over this layer: int8 codes for old keys, the ring for recent ones."""
+        if self.rk is None:
+            return attend_blocks(q, q_positions, [self._codes_block(layer)], scale=scale,
+                                 window=window)
+        codes = self._codes_block(layer, bypass=~self._in_ring(layer))
+        ring = KeyBlock(k=self.rk[layer], v=self.rv[layer], positions=self.rpos[layer],
+                        max_age=self.residual_length)
+        return attend_blocks(q, q_positions, [codes, ring], scale=scale, window=window)
+
+    def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
+                      window: int | None = None):
+        """Writes the codes, attends (the chunk's recent keys in full precision), then
+        writes the residual ring. Returns (out, cache)."""
+        cache = self._write_codes(layer, k_new, v_new, positions)
+        if cache.rk is None:
+            out = attend_blocks(q, positions, [cache._codes_block(layer)], scale=scale,
+                                window=window)
+            return out, cache
+        start, last = positions[:, :1], positions[:, -1:]  # [B, 1]
+        j = jnp.arange(cache.max_len, dtype=jnp.int32)[None]  # [1, T]
+        in_chunk = (j >= start) & (j <= last)  # [B, T]
+        in_old_ring = cache._in_ring(layer) & (j < start)  # [B, T]
+        rpos = cache.rpos[layer]  # [B, S]
+        blocks = [cache._codes_block(layer, bypass=~(in_chunk | in_old_ring)),
+                  KeyBlock(k=cache.rk[layer], v=cache.rv[layer], positions=rpos,
+                           valid=rpos < start, max_age=cache.residual_length),
+                  KeyBlock(k=k_new, v=v_new, positions=positions, max_age=cache.residual_length)]
+        out = attend_blocks(q, positions, blocks, scale=scale, window=window)
+        return out, cache._write_ring(layer, k_new, v_new, positions)
+
+    # ------------------------------------------------------------------ length
+    def with_length(self, length: jax.Array) -> "QuantizedKVCache":
+        return dataclasses.replace(self, length=length.astype(jnp.int32))
+
+    def max_rollback(self) -> jax.Array:
+        """int32 [B]: every row can roll back all its tokens (past the residual slack the
+        rolled-back window reads int8 codes instead of full precision)."""
+        return self.length
+
+    def rollback(self, n) -> "QuantizedKVCache":
+        n = jnp.asarray(n, jnp.int32)
+        if _is_concrete(n) and _is_concrete(self.length):
+            check_rollback(self, n)
+        return self.with_length(self.length - n)
+
+    def resize(self, max_len: int) -> "QuantizedKVCache":
+        """A copy with T = max_len (the codes and scales grow with zeros, or are cropped)."""
+        def fit(a):
+            if max_len <= a.shape[2]:
+                return a[:, :, :max_len]
+            widths = [(0, 0)] * a.ndim
+            widths[2] = (0, max_len - a.shape[2])
+            return jnp.pad(a, widths)
+        return dataclasses.replace(self, kq=fit(self.kq), vq=fit(self.vq),
+                                   k_scale=fit(self.k_scale), v_scale=fit(self.v_scale))

@@ -1,0 +1,183 @@
+"""Sliding-window cache: a Mistral-style ring buffer, and the ring helpers it shares.
+
+A model with `sliding_window = W` lets a query at position p see keys p-W < j <= p. The
+ring keeps S = min(max_len, W + rollback_slack) slots per row and layer; position j lives in
+slot j % S, and `pos[L, B, S]` records which position each slot holds (-1: empty):
+
+    k, v    [L, B, S, Hkv, Dh]
+    pos     int32 [L, B, S]
+    length  int32 [B]
+    lost    bool  [B]      sticky: a rollback went past what the ring still holds
+
+Memory is O(W) whatever the generation length.
+
+Chunks longer than the ring (a long prompt) are exact: `update_attend` attends over the
+ring's old entries plus the new chunk before writing, then keeps the chunk's last S tokens.
+
+Rollback by length (DESIGN s.2) works while the ring still holds the window of the position
+decoding resumes at: rolling back n tokens is safe iff the positions
+[length - n - W + 1, length - n - 1] are all still in their slots, which always holds for
+n <= rollback_slack + 1. The right-padded prefill is itself such a rollback (from the prompt
+bucket to the prompt length), so `init_state` gives the ring a slack of the prompt bucket by
+default. How an impossible rollback surfaces:
+
+- outside jit, `cache.rollback(n)` / `jaxgen.cache.check_rollback(cache, n)` raise
+  ValueError before anything is changed;
+- under jit (nothing can raise), `with_length` sets the sticky `lost[B]` flag for the row;
+  `cache.max_rollback()` (int32 [B]) tells a loop beforehand how far it may go, and
+  `jaxgen.cache_window.raise_if_lost(cache)` raises on the host after the call.
+
+Example:
+    >>> c = SlidingWindowCache.init(num_layers=1, batch=1, max_len=100, num_kv_heads=1,
+    ...                             head_dim=4, window=4, rollback_slack=2)
+    >>> c.k.shape                     # 4 + 2 slots, not 100
+    (1, 1, 6, 1, 4)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback
+from jaxgen.cache_attention import KeyBlock, attend_blocks
+
+
+# ------------------------------------------------------------------------- ring helpers
+def ring_write(k_buf: jax.Array, v_buf: jax.Array, pos_buf: jax.Array, layer,
+               k_new: jax.Array, v_new: jax.Array, positions: jax.Array):
+    """Writes a chunk into ring buffers k/v [L, B, S, Hkv, Dh], pos [L, B, S].
+
+    k_new, v_new: [B, n, Hkv, Dh]; positions int32 [B, n] (contiguous per row). Only the
+    chunk's last S tokens are written (earlier ones would collide with them).
+    """
+    slots = k_buf.shape[2]
+    if positions.shape[1] > slots:
+        k_new, v_new, positions = k_new[:, -slots:], v_new[:, -slots:], positions[:, -slots:]
+    batch, seq = positions.shape
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))  # [B, n]
+    layers = jnp.full((batch, seq), layer, jnp.int32)  # [B, n]
+    slot = positions % slots  # [B, n]
+    k_buf = k_buf.at[layers, rows, slot].set(k_new.astype(k_buf.dtype))
+    v_buf = v_buf.at[layers, rows, slot].set(v_new.astype(v_buf.dtype))
+    pos_buf = pos_buf.at[layers, rows, slot].set(positions.astype(jnp.int32))
+    return k_buf, v_buf, pos_buf
+
+
+def ring_holds_window(pos: jax.Array, length: jax.Array, window: int) -> jax.Array:
+    """bool [B]: does the ring pos [B, S] hold every position in [length-window+1, length-1]?"""
+    slots = pos.shape[-1]
+    slot = jnp.arange(slots, dtype=jnp.int32)  # [S]
+    last = length[:, None] - 1  # [B, 1]
+    candidate = last - jnp.mod(last - slot[None], slots)  # [B, S] the position slot s must hold
+    needed = (candidate >= 0) & (candidate > last + 1 - window)  # [B, S] in [L-W+1, L-1]
+    return jnp.all(~needed | (pos == candidate), axis=-1)  # [B]
+
+
+def ring_max_rollback(pos: jax.Array, length: jax.Array, window: int) -> jax.Array:
+    """int32 [B]: the largest n such that rolling back n tokens keeps the window.
+
+    The ring holds the S newest positions it was written, [hw - S, hw); decoding at L needs
+    [L - W + 1, L - 1].
+    """
+    slots = pos.shape[-1]
+    high = jnp.max(pos, axis=-1) + 1  # [B] high-water mark
+    floor = high - slots + window - 1  # [B] smallest safe length once wrapped
+    safe = jnp.where(high <= slots, 0, jnp.maximum(floor, 0))  # [B]
+    return jnp.maximum(length - safe, 0).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------- the cache
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowCache:
+    """Ring-buffer cache for sliding-window attention. A PyTree; shapes never change."""
+
+    k: jax.Array  # [L, B, S, Hkv, Dh]
+    v: jax.Array  # [L, B, S, Hkv, Dh]
+    pos: jax.Array  # int32 [L, B, S], -1 = empty
+    length: jax.Array  # int32 [B]
+    lost: jax.Array  # bool [B]
+    window: int = dataclasses.field(metadata=dict(static=True))
+
+    kind: ClassVar[str] = "sliding_window"
+
+    @classmethod
+    def init(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
+             head_dim: int, dtype=jnp.float32, window: int,
+             rollback_slack: int = 0) -> "SlidingWindowCache":
+        slots = min(int(max_len), int(window) + int(rollback_slack))
+        shape = (num_layers, batch, slots, num_kv_heads, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   pos=jnp.full((num_layers, batch, slots), -1, jnp.int32),
+                   length=jnp.zeros((batch,), jnp.int32), lost=jnp.zeros((batch,), bool),
+                   window=int(window))
+
+    @property
+    def max_len(self) -> int:
+        """Slots per row (not a limit on positions)."""
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return cache_nbytes(self)
+
+    def batch_axes(self):
+        return dataclasses.replace(self, k=1, v=1, pos=1, length=0, lost=0)
+
+    def _window(self, window: int | None) -> int:
+        return self.window if window is None else min(int(window), self.window)
+
+    def update(self, layer, k_new, v_new, positions) -> "SlidingWindowCache":
+        """Writes a chunk (its last S tokens) into the ring. Attention for chunks longer than
+        rollback_slack + 1 needs `update_attend`, which reads the entries this overwrites."""
+        k, v, pos = ring_write(self.k, self.v, self.pos, layer, k_new, v_new, positions)
+        return dataclasses.replace(self, k=k, v=v, pos=pos)
+
+    def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None):
+        block = KeyBlock(k=self.k[layer], v=self.v[layer], positions=self.pos[layer])
+        return attend_blocks(q, q_positions, [block], scale=scale, window=self._window(window))
+
+    def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
+                      window: int | None = None):
+        """Attends over (ring entries older than the chunk) + (the chunk), then writes."""
+        pos_layer = self.pos[layer]  # [B, S]
+        old = KeyBlock(k=self.k[layer], v=self.v[layer], positions=pos_layer,
+                       valid=pos_layer < positions[:, :1])
+        new = KeyBlock(k=k_new, v=v_new, positions=positions)
+        out = attend_blocks(q, positions, [old, new], scale=scale, window=self._window(window))
+        return out, self.update(layer, k_new, v_new, positions)
+
+    def with_length(self, length: jax.Array) -> "SlidingWindowCache":
+        """Sets the length; flags rows whose ring no longer holds the window before it."""
+        length = length.astype(jnp.int32)
+        ok = ring_holds_window(self.pos[0], length, self.window)  # [B]
+        return dataclasses.replace(self, length=length, lost=self.lost | ~ok)
+
+    def max_rollback(self) -> jax.Array:
+        """int32 [B]: tokens each row can roll back now without losing its window."""
+        return ring_max_rollback(self.pos[0], self.length, self.window)
+
+    def rollback(self, n) -> "SlidingWindowCache":
+        """Forgets the last n[B] positions. Outside jit an impossible rollback raises
+        ValueError; under jit it sets `lost` (see the module docs)."""
+        n = jnp.asarray(n, jnp.int32)
+        if _is_concrete(n) and _is_concrete(self.length):
+            check_rollback(self, n)
+        return self.with_length(self.length - n)
+
+
+def raise_if_lost(cache) -> None:
+    """Host-side: raises ValueError if a traced rollback went past the ring's window."""
+    lost = getattr(cache, "lost", None)
+    if lost is not None and bool(np.any(np.asarray(lost))):
+        rows = np.nonzero(np.asarray(lost))[0].tolist()
+        raise ValueError(f"sliding-window cache rows {rows} were rolled back past the tokens "
+                         f"the ring still holds; their outputs are invalid (raise "
+                         f"cache_config['rollback_slack'])")

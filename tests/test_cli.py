@@ -1,0 +1,98 @@
+"""The `jaxgen` command, run as a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jaxgen
+from jaxgen.models import DEFAULT_MODEL, load
+
+CLI = [sys.executable, "-m", "jaxgen.cli"]
+
+
+def run_cli(*args, stdin: str | None = None, timeout: int = 600):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run(CLI + list(args), input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def greedy_answer(messages, max_new_tokens):
+    model, params, tokenizer = load(DEFAULT_MODEL)
+    [text] = jaxgen.generate_text(model, params, tokenizer, [messages], chat=True,
+                                  max_new_tokens=max_new_tokens)
+    return text
+
+
+def test_one_shot_prompt_streams_the_answer_and_a_summary():
+    result = run_cli("--max-new-tokens", "12", "What is the capital of France?")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == greedy_answer("What is the capital of France?", 12).strip()
+    assert "Paris" in result.stdout
+    summary = result.stderr.strip().splitlines()[-1]
+    for word in ("new tokens", "tokens/s", "first token", "compile"):
+        assert word in summary, summary
+    assert "Traceback" not in result.stderr
+
+
+def test_chat_keeps_the_history():
+    turns = ["My favourite color is green.", "What is my favourite color?"]
+    result = run_cli("--chat", "--max-new-tokens", "16", "--quiet",
+                     stdin="\n".join(turns) + "\n")
+    assert result.returncode == 0, result.stderr
+    first = greedy_answer([{"role": "user", "content": turns[0]}], 16).strip()
+    history = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first},
+               {"role": "user", "content": turns[1]}]
+    second = greedy_answer(history, 16).strip()
+    assert result.stdout.strip().splitlines() == (first + "\n" + second).splitlines()
+
+
+def test_jsonl_batch_in_and_out(tmp_path):
+    prompts = ["Name a fruit.", "Name a planet.", "Name a metal."]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(prompts)))
+    target = tmp_path / "out.jsonl"
+    result = run_cli("--input", str(source), "--output", str(target), "--max-new-tokens", "10",
+                     "--batch-size", "2")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [r["id"] for r in records] == [0, 1, 2]
+    for record, prompt in zip(records, prompts):
+        assert record["completion"] == greedy_answer(prompt, 10)
+    assert "3/3" in result.stderr  # the progress bar finished
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--max-new-tokens", "0", "hi"], 2, "--max-new-tokens"),
+    (["--temperature", "abc", "hi"], 2, "--temperature"),
+    (["--no-such-flag", "hi"], 2, "--no-such-flag"),
+    (["--model", "/nonexistent/model.gguf", "hi"], 3, "/nonexistent/model.gguf"),
+    (["--model", "not-a-known-model", "hi"], 3, "unknown model"),
+    (["--do-sample", "--temperature", "-1", "hi"], 2, "temperature"),
+    (["--input", "/nonexistent/prompts.jsonl"], 4, "prompts.jsonl"),
+    (["--output", "x.jsonl", "hi"], 2, "--output needs --input"),
+])
+def test_errors_are_one_line_with_exit_codes(args, code, needle):
+    result = run_cli(*args)
+    assert result.returncode == code, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unreadable_model_files(tmp_path):
+    truncated = tmp_path / "broken.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "ok"}\nnot json\n')
+    for args, code in ([["--model", str(truncated), "hi"], 3], [["--model", str(folder), "hi"], 3],
+                       [["--input", str(bad_json)], 4]):
+        result = run_cli(*args)
+        assert result.returncode == code, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
