@@ -197,10 +197,15 @@ def check_rollback(cache, n) -> None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Dense static cache (fp32 or bf16). A PyTree; shapes never change."""
+    """Dense static cache (fp32 or bf16). A PyTree; shapes never change.
 
-    k: jax.Array  # [L, B, T, Hkv, Dh]
-    v: jax.Array  # [L, B, T, Hkv, Dh]
+    Heads-major layout: each (row, head) holds its keys as one contiguous [T, Dh] block, so
+    the attention products are plain batched matmuls with no transpose of the cache (on CPU
+    a [B, T, Hkv, Dh] layout costs a full copy of every layer's cache per step).
+    """
+
+    k: jax.Array  # [L, B, Hkv, T, Dh]
+    v: jax.Array  # [L, B, Hkv, T, Dh]
     length: jax.Array  # int32 [B]
 
     kind: ClassVar[str] = "static"
@@ -208,13 +213,13 @@ class KVCache:
     @classmethod
     def init(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
              head_dim: int, dtype=jnp.float32, **extra) -> "KVCache":
-        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    length=jnp.zeros((batch,), jnp.int32), **extra)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -234,11 +239,9 @@ class KVCache:
         layer: int32 scalar (may be traced); k_new, v_new: [B, S, Hkv, Dh];
         positions: int32 [B, S]. Positions outside [0, T) are dropped.
         """
-        batch, seq = positions.shape
-        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))  # [B, S]
-        layers = jnp.full((batch, seq), layer, jnp.int32)  # [B, S]
-        k = self.k.at[layers, rows, positions].set(k_new.astype(self.k.dtype), mode="drop")
-        v = self.v.at[layers, rows, positions].set(v_new.astype(self.v.dtype), mode="drop")
+        index = heads_major_index(positions, self.k.shape[2], layer)
+        k = self.k.at[index].set(jnp.swapaxes(k_new, 1, 2).astype(self.k.dtype), mode="drop")
+        v = self.v.at[index].set(jnp.swapaxes(v_new, 1, 2).astype(self.v.dtype), mode="drop")
         return dataclasses.replace(self, k=k, v=v)
 
     def attend(self, layer, q: jax.Array, q_positions: jax.Array, *,
@@ -248,9 +251,10 @@ class KVCache:
         q: [B, S, H, Dh]; q_positions: int32 [B, S]. Returns [B, S, H, Dh] in q's dtype.
         window: the model's sliding window (keys at j <= p - window are invisible).
         """
-        k_layer = self.k[layer]  # [B, T, Hkv, Dh]
-        v_layer = self.v[layer]  # [B, T, Hkv, Dh]
-        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window)
+        k_layer = self.k[layer]  # [B, Hkv, T, Dh]
+        v_layer = self.v[layer]  # [B, Hkv, T, Dh]
+        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window,
+                            heads_major=True)
 
     def update_attend(self, layer, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                       positions: jax.Array, *, scale: float, window: int | None = None
@@ -281,8 +285,9 @@ class KVCache:
         """A copy with T = max_len (grows with zeros, or crops; positions are unchanged)."""
         pad = max_len - self.max_len
         if pad < 0:
-            return dataclasses.replace(self, k=self.k[:, :, :max_len], v=self.v[:, :, :max_len])
-        widths = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+            return dataclasses.replace(self, k=self.k[:, :, :, :max_len],
+                                       v=self.v[:, :, :, :max_len])
+        widths = ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))
         return dataclasses.replace(self, k=jnp.pad(self.k, widths), v=jnp.pad(self.v, widths))
 
 
@@ -295,12 +300,27 @@ class DynamicKVCache(KVCache):
     kind: ClassVar[str] = "dynamic"
 
 
+def heads_major_index(positions: jax.Array, num_kv_heads: int, layer=None) -> tuple:
+    """Scatter index of new keys [B, Hkv, S, Dh] into a heads-major [(L,) B, Hkv, T, Dh] array."""
+    batch, seq = positions.shape
+    shape = (batch, num_kv_heads, seq)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None, None], shape)  # [B, Hkv, S]
+    heads = jnp.broadcast_to(jnp.arange(num_kv_heads)[None, :, None], shape)  # [B, Hkv, S]
+    slots = jnp.broadcast_to(positions[:, None, :], shape)  # [B, Hkv, S]
+    if layer is None:
+        return rows, heads, slots
+    return jnp.full(shape, layer, jnp.int32), rows, heads, slots
+
+
 def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
-                 scale: float, window: int | None = None) -> jax.Array:
+                 scale: float, window: int | None = None, heads_major: bool = False) -> jax.Array:
     """Grouped-query attention with the causal-by-position mask.
 
-    q: [B, S, H, Dh]; k, v: [B, T, Hkv, Dh]; q_positions: int32 [B, S].
+    q: [B, S, H, Dh]; k, v: [B, T, Hkv, Dh] (or [B, Hkv, T, Dh] with heads_major);
+    q_positions: int32 [B, S].
     Key j is visible to a query at position p iff j <= p (and p - j < window). Softmax in fp32.
     """
-    block = KeyBlock(k=k, v=v, positions=jnp.arange(k.shape[1], dtype=jnp.int32))
+    length = k.shape[2 if heads_major else 1]
+    block = KeyBlock(k=k, v=v, positions=jnp.arange(length, dtype=jnp.int32),
+                     heads_major=heads_major)
     return attend_blocks(q, q_positions, [block], scale=scale, window=window)

@@ -42,6 +42,7 @@ class KeyBlock:
 
     k, v: [B, Tk, Hkv, Dh] float, or int8 codes [B, Tk, Hkv, Dh] with k_scale / v_scale
     [B, Tk, Hkv, N] (N groups along Dh). positions: int32 [B, Tk] or [Tk] (-1 = empty).
+    heads_major: dense k, v are stored [B, Hkv, Tk, Dh] instead (no transpose needed).
     """
 
     k: jax.Array
@@ -53,6 +54,15 @@ class KeyBlock:
     min_age: int = 0
     max_age: int | None = None
     bypass: jax.Array | None = None  # bool [B, Tk]: visible at any age >= 0 (min/max_age ignored)
+    heads_major: bool = False
+
+    @property
+    def num_keys(self) -> int:
+        return self.k.shape[2 if self.heads_major else 1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1 if self.heads_major else 2]
 
 
 def _visible(block: KeyBlock, q_positions: jax.Array, window: int | None) -> jax.Array:
@@ -77,46 +87,51 @@ def _visible(block: KeyBlock, q_positions: jax.Array, window: int | None) -> jax
     return visible
 
 
+def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum with a float32 result. fp32 inputs accumulate in fp32; narrower inputs multiply
+    in their own dtype (as HF does for bf16 models) and are widened after, since XLA:CPU has
+    no bf16 x bf16 -> f32 kernel for every shape."""
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b).astype(jnp.float32)
+
+
 def _scores(q_grouped: jax.Array, block: KeyBlock) -> jax.Array:
     """q_grouped [B, S, Hkv, G, Dh] -> scores [B, Hkv, G, S, Tk] float32 (unscaled)."""
     if block.k_scale is None:
-        k = jnp.swapaxes(block.k.astype(q_grouped.dtype), 1, 2)  # [B, Hkv, Tk, Dh]
-        return jnp.einsum("bshgd,bhtd->bhgst", q_grouped, k,
-                          preferred_element_type=jnp.float32)  # [B, Hkv, G, S, Tk]
+        k = block.k.astype(q_grouped.dtype)  # [B, Hkv, Tk, Dh] or [B, Tk, Hkv, Dh]
+        k = k if block.heads_major else jnp.swapaxes(k, 1, 2)  # [B, Hkv, Tk, Dh]
+        return _einsum_f32("bshgd,bhtd->bhgst", q_grouped, k)  # [B, Hkv, G, S, Tk]
     batch, seq, kv_heads, group, head_dim = q_grouped.shape
     groups = block.k_scale.shape[-1]
     codes = block.k.astype(q_grouped.dtype)  # [B, Tk, Hkv, Dh] (int8 codes, not dequantized)
     k_scale = jnp.transpose(block.k_scale, (0, 2, 3, 1)).astype(jnp.float32)  # [B, Hkv, N, Tk]
     if groups == 1:
-        raw = jnp.einsum("bshgd,bthd->bhgst", q_grouped, codes,
-                         preferred_element_type=jnp.float32)  # [B, Hkv, G, S, Tk]
+        raw = _einsum_f32("bshgd,bthd->bhgst", q_grouped, codes)  # [B, Hkv, G, S, Tk]
         return raw * k_scale[:, :, None, 0, None, :]  # [B, Hkv, G, S, Tk]
     qn = q_grouped.reshape(batch, seq, kv_heads, group, groups, head_dim // groups)
     kn = codes.reshape(codes.shape[0], codes.shape[1], kv_heads, groups, head_dim // groups)
-    raw = jnp.einsum("bshgnd,bthnd->bhgnst", qn, kn,
-                     preferred_element_type=jnp.float32)  # [B, Hkv, G, N, S, Tk]
+    raw = _einsum_f32("bshgnd,bthnd->bhgnst", qn, kn)  # [B, Hkv, G, N, S, Tk]
     return jnp.sum(raw * k_scale[:, :, None, :, None, :], axis=3)  # [B, Hkv, G, S, Tk]
 
 
 def _values(weights: jax.Array, block: KeyBlock, out_dtype) -> jax.Array:
     """weights [B, Hkv, G, S, Tk] f32 -> [B, S, Hkv, G, Dh] float32."""
     if block.v_scale is None:
-        v = jnp.swapaxes(block.v, 1, 2)  # [B, Hkv, Tk, Dh]
-        return jnp.einsum("bhgst,bhtd->bshgd", weights.astype(block.v.dtype), v,
-                          preferred_element_type=jnp.float32)  # [B, S, Hkv, G, Dh]
+        v = block.v if block.heads_major else jnp.swapaxes(block.v, 1, 2)  # [B, Hkv, Tk, Dh]
+        probs = weights.astype(block.v.dtype)  # [B, Hkv, G, S, Tk]
+        return _einsum_f32("bhgst,bhtd->bshgd", probs, v)  # [B, S, Hkv, G, Dh]
     batch, tk, kv_heads, head_dim = block.v.shape
     groups = block.v_scale.shape[-1]
     codes = block.v.astype(out_dtype)  # [B, Tk, Hkv, Dh]
     v_scale = jnp.transpose(block.v_scale, (0, 2, 3, 1)).astype(jnp.float32)  # [B, Hkv, N, Tk]
     if groups == 1:
         scaled = (weights * v_scale[:, :, None, 0, None, :]).astype(out_dtype)  # [B,Hkv,G,S,Tk]
-        return jnp.einsum("bhgst,bthd->bshgd", scaled, codes,
-                          preferred_element_type=jnp.float32)  # [B, S, Hkv, G, Dh]
+        return _einsum_f32("bhgst,bthd->bshgd", scaled, codes)  # [B, S, Hkv, G, Dh]
     scaled = (weights[:, :, :, None] * v_scale[:, :, None, :, None, :]
               ).astype(out_dtype)  # [B, Hkv, G, N, S, Tk]
     vn = codes.reshape(batch, tk, kv_heads, groups, head_dim // groups)  # [B, Tk, Hkv, N, Dg]
-    out = jnp.einsum("bhgnst,bthnd->bshgnd", scaled, vn,
-                     preferred_element_type=jnp.float32)  # [B, S, Hkv, G, N, Dg]
+    out = _einsum_f32("bhgnst,bthnd->bshgnd", scaled, vn)  # [B, S, Hkv, G, N, Dg]
     return out.reshape(out.shape[:4] + (head_dim,))  # [B, S, Hkv, G, Dh]
 
 
@@ -128,7 +143,7 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     every block's keys at once.
     """
     batch, seq, num_heads, head_dim = q.shape
-    num_kv_heads = blocks[0].k.shape[2]
+    num_kv_heads = blocks[0].num_kv_heads
     group = num_heads // num_kv_heads
     q_grouped = q.reshape(batch, seq, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, Dh]
     parts = []
@@ -141,7 +156,7 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     out = None
     start = 0
     for block in blocks:
-        size = block.k.shape[1]
+        size = block.num_keys
         part = weights if len(blocks) == 1 else weights[..., start:start + size]
         contribution = _values(part, block, q.dtype)  # [B, S, Hkv, G, Dh]
         out = contribution if out is None else out + contribution

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from jaxgen.cache import KVCache, attend_dense
+from jaxgen.cache import KVCache, attend_dense, heads_major_index
 
 
 def host_memory_kind(requested: str = "pinned_host", offload_on_cpu: bool = False) -> str | None:
@@ -83,10 +83,11 @@ class OffloadedKVCache(KVCache):
 
     @staticmethod
     def _write(k_layer, v_layer, k_new, v_new, positions):
-        batch, seq = positions.shape
-        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))  # [B, S]
-        k_layer = k_layer.at[rows, positions].set(k_new.astype(k_layer.dtype), mode="drop")
-        v_layer = v_layer.at[rows, positions].set(v_new.astype(v_layer.dtype), mode="drop")
+        index = heads_major_index(positions, k_layer.shape[1])  # layer-local [B, Hkv, T, Dh]
+        k_layer = k_layer.at[index].set(jnp.swapaxes(k_new, 1, 2).astype(k_layer.dtype),
+                                        mode="drop")
+        v_layer = v_layer.at[index].set(jnp.swapaxes(v_new, 1, 2).astype(v_layer.dtype),
+                                        mode="drop")
         return k_layer, v_layer
 
     def update(self, layer, k_new, v_new, positions) -> "OffloadedKVCache":
@@ -97,7 +98,8 @@ class OffloadedKVCache(KVCache):
 
     def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None):
         k_layer, v_layer = self._layer_in(layer)
-        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window)
+        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window,
+                            heads_major=True)
 
     def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
                       window: int | None = None):
@@ -106,5 +108,6 @@ class OffloadedKVCache(KVCache):
             return super().update_attend(layer, q, k_new, v_new, positions, scale=scale,
                                          window=window)
         k_layer, v_layer = self._write(*self._layer_in(layer), k_new, v_new, positions)
-        out = attend_dense(q, k_layer, v_layer, positions, scale=scale, window=window)
+        out = attend_dense(q, k_layer, v_layer, positions, scale=scale, window=window,
+                           heads_major=True)
         return out, self._layer_out(layer, k_layer, v_layer)

@@ -140,10 +140,10 @@ def test_offload_keeps_the_cache_in_host_memory_and_is_a_noop_on_cpu():
 
 def test_kvcache_api_unchanged():
     cache = KVCache.init(num_layers=2, batch=2, max_len=8, num_kv_heads=1, head_dim=4)
-    assert cache.k.shape == (2, 2, 8, 1, 4) and cache.max_len == 8 and cache.batch == 2
+    assert cache.k.shape == (2, 2, 1, 8, 4) and cache.max_len == 8 and cache.batch == 2
     k = jnp.ones((2, 3, 1, 4))
     cache = cache.update(1, k, 2 * k, jnp.broadcast_to(jnp.arange(3), (2, 3)))
-    assert float(cache.v[1, 0, 2, 0, 0]) == 2.0 and float(cache.k[0].sum()) == 0.0
+    assert float(cache.v[1, 0, 0, 2, 0]) == 2.0 and float(cache.k[0].sum()) == 0.0
     out = cache.attend(1, jnp.ones((2, 1, 2, 4)), jnp.array([[2], [2]]), scale=0.5)
     np.testing.assert_allclose(out, 2.0)
     cache = cache.with_length(jnp.array([3, 3]))
