@@ -1,0 +1,300 @@
+"""The speculative loop: prefill, then one `lax.while_loop` of draft -> verify -> accept rounds.
+
+Per round, for every row b with length L (its tokens are tokens[b, :L]; the target cache
+holds positions < L - 1, the last token is fed by the next forward):
+
+    k_want   = min(k_sched[b], remaining_budget - 1, K)      (so n + 1 never passes the budget)
+    drafts   = drafter.propose(...)                          [B, K] (+ q scores, k_row <= k_want)
+    verify   = target(tokens[L-1], d_0..d_{K-1} at positions L-1 .. L+K-1)   one forward
+    p        = processors at every position j with the prefix ending at L + j   [B, K+1, V]
+    n, fix   = verify.accept_greedy / accept_sample                           per row
+    out_j    = d_j (j < n), fix (j = n)
+    m        = emitted tokens: n + 1, cut after the first position j <= n where EOS, a stop
+               string, a custom criterion or the budget fires (so no token follows a stop)
+    L'       = L + m;  target cache length := L' - 1;  draft cache length := L' - 2
+
+Rows that are done keep their tokens and lengths (their lanes still compute: static shapes);
+every live row advances by its own m >= 1, so nothing waits for the slowest row. When no live
+row has a draft (prompt lookup found nothing) the verify forward runs one position instead
+of K + 1 (`lax.cond`).
+
+Sampling keys: the round key of row b is fold_in(row_key[b], L) (a row's L is different every
+round), split by tag into draft draws (0), acceptance uniforms (1) and the fix draw (2): a row's
+output never depends on which other rows share the batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen import stopping
+from jaxgen.config import GenerationConfig
+from jaxgen.decode import StepRecord, choose_and_write, prefill
+from jaxgen.extensions import NO_EXTENSIONS, Extensions
+from jaxgen.processors import ProcessorContext
+from jaxgen.speculative import verify
+from jaxgen.speculative.positions import process_positions
+from jaxgen.state import DecodeState
+from jaxgen.stopping_strings import stop_string_hit
+
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpeculativeStats:
+    """Acceptance statistics of one speculative call (`GenerateOutput.speculative`).
+
+    rounds             int32 [B]     verify rounds the row took part in while live
+    drafted            int32 [B]     drafts proposed to the row (sum of k_row)
+    accepted           int32 [B]     drafts accepted (sum of n)
+    position_tried     int32 [B, K]  rounds in which draft position i was proposed
+    position_accepted  int32 [B, K]  rounds in which draft position i was accepted
+    target_forwards    int32 []      target forwards: prefill + verify rounds
+    draft_forwards     int32 []      draft-model forwards (prefill included; 0 for prompt lookup)
+    num_assistant_tokens int32 [B]   the draft length the next call should start from
+                                     (changed only by the "heuristic" schedule, as in HF)
+    """
+
+    rounds: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    position_tried: jax.Array
+    position_accepted: jax.Array
+    target_forwards: jax.Array
+    draft_forwards: jax.Array
+    num_assistant_tokens: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, K: int, start: jax.Array) -> "SpeculativeStats":
+        z = jnp.zeros((batch,), jnp.int32)
+        return cls(rounds=z, drafted=z, accepted=z,
+                   position_tried=jnp.zeros((batch, K), jnp.int32),
+                   position_accepted=jnp.zeros((batch, K), jnp.int32),
+                   target_forwards=jnp.int32(1), draft_forwards=jnp.int32(0),
+                   num_assistant_tokens=start)
+
+    @property
+    def mean_accepted(self) -> jax.Array:
+        """float32 [B]: accepted drafts per verify round."""
+        return self.accepted / jnp.maximum(self.rounds, 1)
+
+    @property
+    def tokens_per_round(self) -> jax.Array:
+        """float32 [B]: tokens emitted per verify round (accepted + the fix / bonus token)."""
+        return (self.accepted + self.rounds) / jnp.maximum(self.rounds, 1)
+
+    @property
+    def acceptance_rate(self) -> jax.Array:
+        """float32 [B]: accepted / drafted."""
+        return self.accepted / jnp.maximum(self.drafted, 1)
+
+    @property
+    def position_acceptance(self) -> jax.Array:
+        """float32 [K]: over all rows, P(draft i accepted | draft i proposed)."""
+        return (jnp.sum(self.position_accepted, 0)
+                / jnp.maximum(jnp.sum(self.position_tried, 0), 1))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecCarry:
+    """Per-mode state of the assisted loop (kept in `DecodeState.spec` of the final state)."""
+
+    draft_state: Any  # the drafter's state: the draft KV cache, or None (prompt lookup)
+    k_sched: jax.Array  # int32 [B] the schedule's current draft length per row
+    stats: SpeculativeStats
+
+
+def _verify_forward(params, state: DecodeState, work: jax.Array, drafts: jax.Array,
+                    k_row: jax.Array, cfg, ext: Extensions):
+    """Target forward over [last token, drafts] and the processed scores at every position.
+
+    Returns (p_scores [B, K+1, V], raw [B, K+1, V], cache). When no row has a draft, runs the
+    last token alone and repeats its scores (positions >= 1 are never read then).
+    """
+    model = state.model
+    batch, K = drafts.shape
+    last = state.length - 1  # [B]
+    last_token = jnp.take_along_axis(state.tokens, last[:, None], axis=1)  # [B, 1]
+
+    def wide(_):
+        tokens = jnp.concatenate([last_token, drafts], axis=1)  # [B, K+1]
+        positions = last[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]  # [B, K+1]
+        out = model(params, tokens, positions, state.cache)
+        raw = out.logits.astype(jnp.float32)  # [B, K+1, V]
+        scores = process_positions(cfg, raw, work, state.length, state, ext.logits_processor)
+        return scores, raw, out.cache
+
+    def narrow(_):
+        out = model(params, last_token, last[:, None], state.cache)
+        raw = out.logits.astype(jnp.float32)  # [B, 1, V]
+        scores = process_positions(cfg, raw, work, state.length, state, ext.logits_processor)
+        repeat = lambda a: jnp.broadcast_to(a, (batch, K + 1, a.shape[-1]))  # noqa: E731
+        return repeat(scores), repeat(raw), out.cache
+
+    if K == 0:
+        return narrow(None)
+    return jax.lax.cond(jnp.any(k_row > 0), wide, narrow, None)
+
+
+def _stop_flags(cfg, state: DecodeState, tokens: jax.Array, out: jax.Array,
+                scores: jax.Array, ext: Extensions):
+    """Per emitted position j (token out[:, j] at index L + j): bool [B, K+1] each for EOS,
+    stop string, custom criterion and budget, evaluated with the tokens up to and including j."""
+    batch, width = out.shape
+    new_length = state.length[:, None] + 1 + jnp.arange(width)[None, :]  # [B, K+1]
+    eos = stopping.hit_eos(out, cfg.eos_ids)  # [B, K+1]
+    full = stopping.out_of_budget(new_length, state.prompt_len[:, None], state.max_new[:, None],
+                                  state.buffer_len)  # [B, K+1]
+    none = jnp.zeros_like(eos)
+    string = custom = none
+    if state.stop_tables is not None:
+        string = jax.vmap(lambda n: stop_string_hit(state.stop_tables, tokens, n),
+                          in_axes=1, out_axes=1)(new_length)
+    if ext.stopping_criteria:
+        def one(n, s):
+            ctx = ProcessorContext(tokens=tokens, length=n, prompt_len=state.prompt_len,
+                                   max_new=state.max_new)
+            return stopping.custom_stop(ext.stopping_criteria, ctx, s)
+        custom = jax.vmap(one, in_axes=(1, 1), out_axes=1)(new_length, scores)
+    return eos, string, custom, full
+
+
+def _write_record(record: StepRecord, state: DecodeState, emit: jax.Array, out: jax.Array,
+                  scores: jax.Array, raw: jax.Array) -> StepRecord:
+    """Writes per-token records of the emitted positions (emit bool [B, K+1])."""
+    steps = record.token_logprobs.shape[1]
+    batch, width = out.shape
+    step = state.length[:, None] - state.prompt_len[:, None] + jnp.arange(width)[None, :]
+    step = jnp.where(emit, step, steps)  # [B, K+1]; out of range -> dropped
+    rows = jnp.arange(batch)[:, None]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scores, axis=-1), out[..., None],
+                                   axis=-1)[..., 0]  # [B, K+1]
+    put = lambda buf, v: None if buf is None else buf.at[rows, step].set(v, mode="drop")  # noqa
+    return dataclasses.replace(record, token_logprobs=put(record.token_logprobs, logprobs),
+                               scores=put(record.scores, scores), logits=put(record.logits, raw))
+
+
+def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry,
+                      record: StepRecord, cfg: GenerationConfig, drafter,
+                      ext: Extensions = NO_EXTENSIONS):
+    """One draft -> verify -> accept round for every row. Returns (state, carry, record)."""
+    K = drafter.num_tokens
+    batch, width = state.tokens.shape
+    live = ~state.done  # [B]
+    length = state.length  # [B]
+    limit = jnp.minimum(state.prompt_len + state.max_new, width)  # [B] row's max length
+    k_cap = jnp.clip(limit - length - 1, 0, K)  # [B]
+    k_want = jnp.where(live, jnp.minimum(carry.k_sched, k_cap), 0)  # [B]
+    round_keys = jax.vmap(jax.random.fold_in)(state.key, length)  # [B]
+    tag = lambda t: jax.vmap(lambda k: jax.random.fold_in(k, t))(round_keys)  # noqa: E731
+    weight = cfg.assistant_ensemble_weight
+    threshold = cfg.assistant_confidence_threshold  # None or <= 0: off (HF)
+
+    proposal, draft_state = drafter.propose(
+        draft_params, carry.draft_state, cfg, ext, state, k_want, tag(0),
+        do_sample=cfg.do_sample, keep_q=cfg.do_sample or weight is not None, threshold=threshold)
+    k_row = jnp.where(live, jnp.minimum(proposal.k_row, k_want), 0)  # [B]
+    drafts = proposal.drafts  # [B, K]
+
+    p_scores, raw, cache = _verify_forward(params, state, proposal.tokens, drafts, k_row, cfg,
+                                           ext)
+    if cfg.do_sample:
+        uniforms = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(tag(1))  # [B, K]
+        n, fix = verify.accept_sample(drafts, k_row, p_scores, proposal.q_scores, uniforms,
+                                      tag(2), weight)
+    else:
+        n, fix = verify.accept_greedy(drafts, k_row, p_scores, proposal.q_scores, weight)
+    out = verify.assemble(drafts, n, fix, state.pad_token_id)  # [B, K+1]
+
+    # Emit out[:, :n+1] but stop after the first position where a stop condition fires.
+    rows = jnp.arange(batch)[:, None]
+    index = length[:, None] + jnp.arange(K + 1)[None, :]  # [B, K+1]
+    candidate = jnp.arange(K + 1)[None, :] <= n[:, None]  # [B, K+1]
+    written = state.tokens.at[rows, jnp.where(candidate & live[:, None], index, width)].set(
+        out, mode="drop")  # [B, T]
+    eos, string, custom, full = _stop_flags(cfg, state, written, out, p_scores, ext)
+    fires = (eos | string | custom | full) & candidate  # [B, K+1]
+    first = jnp.where(jnp.any(fires, 1), jnp.argmax(fires, 1), K + 1)  # [B]
+    emitted = jnp.where(live, jnp.minimum(n, first) + 1, 0).astype(jnp.int32)  # [B] m
+    emit = jnp.arange(K + 1)[None, :] < emitted[:, None]  # [B, K+1]
+    tokens = state.tokens.at[rows, jnp.where(emit, index, width)].set(out, mode="drop")
+    new_length = length + emitted  # [B]
+    at_last = lambda a: jnp.take_along_axis(a, jnp.maximum(emitted - 1, 0)[:, None],  # noqa
+                                            axis=1)[:, 0] & live
+    done, reason = stopping.update_stop(state.done, state.stop_reason, at_last(eos),
+                                        at_last(full), at_last(string) if state.stop_tables
+                                        is not None else None,
+                                        at_last(custom) if ext.stopping_criteria else None)
+    record = _write_record(record, state, emit, out, p_scores, raw)
+
+    # Roll both caches back by length.
+    cache = cache.rollback(jnp.where(live, cache.length - (new_length - 1), 0))
+    draft_state = drafter.rollback(draft_state, new_length)
+
+    # Statistics and the draft-length schedule (HF: +2 when every draft passed, else -1).
+    position = jnp.arange(K)[None, :]
+    live_i = live.astype(jnp.int32)
+    stats = carry.stats
+    stats = dataclasses.replace(
+        stats, rounds=stats.rounds + live_i, drafted=stats.drafted + k_row,
+        accepted=stats.accepted + jnp.where(live, n, 0),
+        position_tried=stats.position_tried + (position < k_row[:, None]).astype(jnp.int32),
+        position_accepted=stats.position_accepted + (position < jnp.where(live, n, 0)[:, None]
+                                                     ).astype(jnp.int32),
+        target_forwards=stats.target_forwards + 1,
+        draft_forwards=stats.draft_forwards + proposal.forwards)
+    k_sched = carry.k_sched
+    schedule = cfg.num_assistant_tokens_schedule if drafter.scheduled else "constant"
+    if schedule in ("heuristic", "heuristic_transient"):
+        grown = jnp.where(emitted - 1 >= k_row, k_sched + 2, jnp.maximum(k_sched - 1, 1))
+        # A round in which the budget left no room for a draft says nothing about the draft.
+        k_sched = jnp.where(live & (k_want > 0), jnp.clip(grown, 1, K), k_sched)
+    if schedule == "heuristic":
+        stats = dataclasses.replace(stats, num_assistant_tokens=k_sched)
+    state = state.replace(tokens=tokens, length=new_length, done=done, stop_reason=reason,
+                          cache=cache)
+    return state, SpecCarry(draft_state=draft_state, k_sched=k_sched, stats=stats), record
+
+
+def speculative_loop(params, state: DecodeState, cfg: GenerationConfig, drafter,
+                     draft_params=None, start_tokens=None, ext: Extensions = NO_EXTENSIONS):
+    """Prefill + `lax.while_loop` of speculative rounds until every row is done.
+
+    drafter: `DraftModelDrafter` or `PromptLookupDrafter` (static). start_tokens: optional
+    int32 [B] (or scalar) starting draft length per row (default cfg.num_assistant_tokens,
+    clipped to [1, K]). Returns (final state with `spec` set, StepRecord, SpeculativeStats).
+    """
+    K = drafter.num_tokens
+    batch = state.batch
+    steps = state.buffer_len - state.prompt_bucket
+    record = StepRecord.empty(batch, max(steps, 1), state.model.vocab_size, cfg)
+    state, logits = prefill(params, state)
+    state, record = choose_and_write(cfg, state, logits, record, 0, ext)
+    draft_state = drafter.init(draft_params, state)
+    if not drafter.scheduled:  # prompt lookup: always up to K drafts
+        start = jnp.full((batch,), K, jnp.int32)
+    elif start_tokens is None:
+        start = jnp.full((batch,), min(int(cfg.num_assistant_tokens), K), jnp.int32)
+    else:
+        start = jnp.broadcast_to(jnp.clip(jnp.asarray(start_tokens, jnp.int32), 1, K), (batch,))
+    stats = SpeculativeStats.zeros(batch, K, start)
+    if draft_state is not None:
+        stats = dataclasses.replace(stats, draft_forwards=jnp.int32(1))
+    carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats)
+
+    def cond(loop):
+        i, st, _, _ = loop
+        return (i < steps) & ~jnp.all(st.done)
+
+    def body(loop):
+        i, st, sc, rec = loop
+        st, sc, rec = speculative_round(params, draft_params, st, sc, rec, cfg, drafter, ext)
+        return i + 1, st, sc, rec
+
+    _, state, carry, record = jax.lax.while_loop(cond, body, (jnp.int32(1), state, carry, record))
+    return state.replace(spec=carry), record, carry.stats
