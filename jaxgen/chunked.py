@@ -30,6 +30,7 @@ from jaxgen import stopping
 from jaxgen.config import GenerationConfig
 from jaxgen.decode import StepRecord, choose_and_write, decode_steps, prefill
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
+from jaxgen.speculative.loop import speculative_rounds, speculative_start
 from jaxgen.state import DecodeState
 
 DEFAULT_CHUNK = 8
@@ -59,8 +60,76 @@ def _chunk_impl(params, state: DecodeState, record: StepRecord, start, stop,
     return decode_steps(params, state, cfg, record, start, stop, ext)
 
 
+def _spec_start_impl(params, state: DecodeState, cfg: GenerationConfig, draft_params,
+                     start_tokens, ext: Extensions, drafter):
+    return speculative_start(params, state, cfg, drafter, draft_params, start_tokens, ext)
+
+
+def _spec_chunk_impl(params, state: DecodeState, carry, record: StepRecord, start, stop,
+                     cfg: GenerationConfig, draft_params, ext: Extensions, drafter):
+    _, state, carry, record = speculative_rounds(params, state, carry, record, cfg, drafter,
+                                                 draft_params, ext, start=start, stop=stop)
+    return state, carry, record
+
+
 _start_jit = jax.jit(_start_impl, donate_argnums=(1,), static_argnums=(3,))
 _chunk_jit = jax.jit(_chunk_impl, donate_argnums=(1, 2), static_argnums=(6,))
+_spec_start_jit = jax.jit(_spec_start_impl, donate_argnums=(1,), static_argnums=(5, 6))
+_spec_chunk_jit = jax.jit(_spec_chunk_impl, donate_argnums=(1, 2, 3), static_argnums=(8, 9))
+
+
+@dataclasses.dataclass(frozen=True)
+class Assisted:
+    """What the chunked driver needs to run the assisted (speculative) loop in chunks."""
+
+    drafter: object
+    draft_params: object = None
+    start_tokens: object = None
+
+
+class _Plain:
+    """One token per step: the greedy / sampling body."""
+
+    def __init__(self, params, cfg, ext):
+        self.params, self.cfg, self.ext = params, cfg, ext
+
+    def start(self, state):
+        state, record = _start_jit(self.params, state, self.cfg, self.ext)
+        return state, record
+
+    def advance(self, state, record, start, stop):
+        _, state, record = _chunk_jit(self.params, state, record, start, stop, self.cfg,
+                                      self.ext)
+        return state, record
+
+    @staticmethod
+    def finish(state, record):
+        return state, record, None
+
+
+class _Speculative:
+    """One speculative round per step (each round emits 1..K+1 tokens per row)."""
+
+    def __init__(self, params, cfg, ext, assisted: Assisted):
+        self.params, self.cfg, self.ext, self.assisted = params, cfg, ext, assisted
+
+    def start(self, state):
+        a = self.assisted
+        state, carry, record = _spec_start_jit(self.params, state, self.cfg, a.draft_params,
+                                               a.start_tokens, self.ext, a.drafter)
+        return state, (carry, record)
+
+    def advance(self, state, extra, start, stop):
+        a = self.assisted
+        state, carry, record = _spec_chunk_jit(self.params, state, extra[0], extra[1], start,
+                                               stop, self.cfg, a.draft_params, self.ext,
+                                               a.drafter)
+        return state, (carry, record)
+
+    @staticmethod
+    def finish(state, extra):
+        carry, record = extra
+        return state.replace(spec=carry), record, carry.stats
 
 
 def as_streamers(streamer, batch: int) -> list | None:
@@ -118,12 +187,13 @@ def run_chunked(params, state: DecodeState, cfg: GenerationConfig,
                 chunk_size: int = DEFAULT_CHUNK, max_time: float | None = None,
                 stop_event: threading.Event | None = None,
                 prepare_chunk: Callable[[DecodeState, int, int], DecodeState] | None = None,
-                timings: ChunkTimings | None = None):
+                timings: ChunkTimings | None = None, assisted: Assisted | None = None):
     """Decodes `state` to completion in chunks. `cfg` must be canonical. Consumes `state`.
 
     max_time: seconds (HF's max_time; pass it here, not in the jitted cfg). streamer: None, a streamer (batch 1) or one per row. prepare_chunk(state, step, n):
     optional host hook run before each chunk of n steps (e.g. growing the cache).
-    Returns (final state, StepRecord).
+    assisted: run the speculative loop (a step is then one round).
+    Returns (final state, StepRecord, SpeculativeStats or None).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -135,7 +205,9 @@ def run_chunked(params, state: DecodeState, cfg: GenerationConfig,
     total_steps = state.buffer_len - state.prompt_bucket
     if prepare_chunk is not None:
         state = prepare_chunk(state, 0, 1)
-    state, record = _start_jit(params, state, cfg, ext)
+    program = _Plain(params, cfg, ext) if assisted is None else _Speculative(params, cfg, ext,
+                                                                              assisted)
+    state, extra = program.start(state)
     emitter.emit(state)
     timings.first_token_s = time.perf_counter() - start_time
     step, step_time = 1, None
@@ -158,8 +230,7 @@ def run_chunked(params, state: DecodeState, cfg: GenerationConfig,
         if prepare_chunk is not None:
             state = prepare_chunk(state, step, chunk)
         began = time.perf_counter()
-        _, state, record = _chunk_jit(params, state, record, jnp.int32(step),
-                                      jnp.int32(step + chunk), cfg, ext)
+        state, extra = program.advance(state, extra, jnp.int32(step), jnp.int32(step + chunk))
         state.length.block_until_ready()
         timings.chunk_s.append(time.perf_counter() - began)
         measured = timings.chunk_s[-1] / chunk
@@ -172,7 +243,7 @@ def run_chunked(params, state: DecodeState, cfg: GenerationConfig,
     emitter.end()
     timings.total_s = time.perf_counter() - start_time
     timings.steps = step
-    return state, record
+    return program.finish(state, extra)
 
 
 def needs_chunked(cfg: GenerationConfig, streamer, stop_event) -> bool:
@@ -180,5 +251,5 @@ def needs_chunked(cfg: GenerationConfig, streamer, stop_event) -> bool:
     return streamer is not None or cfg.max_time is not None or stop_event is not None
 
 
-__all__: Sequence[str] = ("run_chunked", "needs_chunked", "as_streamers", "ChunkTimings",
+__all__: Sequence[str] = ("run_chunked", "needs_chunked", "as_streamers", "ChunkTimings", "Assisted",
                           "stop_all", "DEFAULT_CHUNK")

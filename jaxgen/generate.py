@@ -21,7 +21,7 @@ import numpy as np
 from jaxgen import stopping
 from jaxgen.config import DYNAMIC_FIELDS, GenerationConfig
 from jaxgen.beam import beam_search
-from jaxgen.chunked import DEFAULT_CHUNK, needs_chunked, run_chunked
+from jaxgen.chunked import DEFAULT_CHUNK, Assisted, needs_chunked, run_chunked
 from jaxgen.decode import decode_loop
 from jaxgen.extensions import (NO_EXTENSIONS, Extensions, accepts_hooks, make_extensions,
                                resolve_custom_generate)
@@ -182,7 +182,7 @@ def _generate_growing(params, state, cfg, ext, custom, assisted: bool, traced: b
                           logits=record.logits, state=final)
 
 
-def _generate_chunked(params, state, cfg, ext, custom, assisted: bool, traced: bool, *,
+def _generate_chunked(params, state, cfg, ext, custom, assisted, traced: bool, *,
                       streamer, stop_event, chunk_size, timings):
     """Streaming / max_time / cancellation: the host-side chunked driver (jaxgen.chunked)."""
     what = "streamer / max_time / stop_event"
@@ -194,19 +194,17 @@ def _generate_chunked(params, state, cfg, ext, custom, assisted: bool, traced: b
     if cfg.num_beams > 1:
         raise ValueError(f"{what} are not supported with beam search (num_beams > 1), as in "
                          f"Hugging Face; use greedy or sampling")
-    if assisted:
-        raise ValueError(f"{what} are not supported with assisted decoding yet")
     if cfg.cache_implementation == "dynamic":
         raise ValueError(f"{what} are not supported with cache_implementation='dynamic' yet")
     jit_cfg = canonical_config(cfg.replace(max_time=None))
-    final, record = run_chunked(params, state, jit_cfg, ext, streamer=streamer,
-                                chunk_size=DEFAULT_CHUNK if chunk_size is None else chunk_size,
-                                max_time=cfg.max_time,
-                                stop_event=stop_event, timings=timings)
+    final, record, stats = run_chunked(
+        params, state, jit_cfg, ext, streamer=streamer,
+        chunk_size=DEFAULT_CHUNK if chunk_size is None else chunk_size, max_time=cfg.max_time,
+        stop_event=stop_event, timings=timings, assisted=assisted)
     return GenerateOutput(sequences=final.tokens, lengths=final.length,
                           prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
                           token_logprobs=record.token_logprobs, scores=record.scores,
-                          logits=record.logits, state=final)
+                          logits=record.logits, state=final, speculative=stats)
 
 
 def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
@@ -245,7 +243,12 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     traced = any(isinstance(leaf, jax.core.Tracer)
                  for leaf in jax.tree_util.tree_leaves((state, cfg)))
     if needs_chunked(cfg, streamer, stop_event):
-        return _generate_chunked(params, state, cfg, ext, custom, drafter is not None, traced,
+        assisted = None
+        if drafter is not None:
+            start = None if num_assistant_tokens is None else jnp.asarray(num_assistant_tokens,
+                                                                           jnp.int32)
+            assisted = Assisted(drafter=drafter, draft_params=draft_params, start_tokens=start)
+        return _generate_chunked(params, state, cfg, ext, custom, assisted, traced,
                                  streamer=streamer, stop_event=stop_event,
                                  chunk_size=chunk_size, timings=timings)
     if cfg.cache_implementation == "dynamic":

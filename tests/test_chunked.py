@@ -173,3 +173,48 @@ def test_streaming_errors_are_clear():
     with pytest.raises(ValueError, match="chunk_size"):
         jaxgen.generate(params, jaxgen.init_state(model, [[1]], cfg), cfg, streamer=Collect(),
                         chunk_size=0)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("assistant", ["prompt_lookup", "draft_model"])
+def test_assisted_chunked_equals_single_call(do_sample, assistant):
+    model, params = BigramStub(8), random_table(8, seed=6)
+    fields = dict(max_new_tokens=16, eos_token_id=5, do_sample=do_sample, top_k=0)
+    kwargs = {}
+    if assistant == "prompt_lookup":
+        fields["prompt_lookup_num_tokens"] = 3
+    else:
+        fields["num_assistant_tokens"] = 3
+        kwargs["assistant_model"] = (model, random_table(8, seed=7))
+    cfg = jaxgen.GenerationConfig(**fields)
+    prompts = [[1, 2, 1, 2, 1, 2, 3], [4, 4, 4], [6]]
+    single = jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg, jax.random.key(3)),
+                             cfg, **kwargs)
+    streamers = [Collect() for _ in prompts]
+    chunked = jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg, jax.random.key(3)),
+                              cfg, streamer=streamers, chunk_size=2, **kwargs)
+    np.testing.assert_array_equal(np.asarray(single.sequences), np.asarray(chunked.sequences))
+    np.testing.assert_array_equal(np.asarray(single.lengths), np.asarray(chunked.lengths))
+    assert int(single.speculative.target_forwards) == int(chunked.speculative.target_forwards)
+    for b, streamer in enumerate(streamers):
+        streamed = sum(streamer.puts, [])
+        assert streamed == np.asarray(single.sequences)[b, :int(single.lengths[b])].tolist()
+
+
+def test_smollm2_prompt_lookup_streams_the_same_text(smollm2):
+    model, params, tokenizer = smollm2
+    passage = "The river runs past the old mill, under the stone bridge, and into the sea."
+    row = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this sentence exactly: {passage}"}])
+    cfg = jaxgen.default_config(model, max_new_tokens=32, prompt_lookup_num_tokens=5)
+    single = jaxgen.generate_ids(model, params, [row], cfg)[0]
+    pieces = []
+
+    class Capture(TextStreamer):
+        def on_finalized_text(self, text, stream_end=False):
+            pieces.append(text)
+
+    chunked = jaxgen.generate_ids(model, params, [row], cfg,
+                                  streamer=Capture(tokenizer, skip_prompt=True))[0]
+    assert chunked == single
+    assert "".join(pieces) == tokenizer.decode(single[len(row):])

@@ -261,13 +261,11 @@ def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry
     return state, SpecCarry(draft_state=draft_state, k_sched=k_sched, stats=stats), record
 
 
-def speculative_loop(params, state: DecodeState, cfg: GenerationConfig, drafter,
-                     draft_params=None, start_tokens=None, ext: Extensions = NO_EXTENSIONS):
-    """Prefill + `lax.while_loop` of speculative rounds until every row is done.
+def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter,
+                      draft_params=None, start_tokens=None, ext: Extensions = NO_EXTENSIONS):
+    """Prefill, the first token and the drafter's initial state.
 
-    drafter: `DraftModelDrafter` or `PromptLookupDrafter` (static). start_tokens: optional
-    int32 [B] (or scalar) starting draft length per row (default cfg.num_assistant_tokens,
-    clipped to [1, K]). Returns (final state with `spec` set, StepRecord, SpeculativeStats).
+    Returns (state, SpecCarry, StepRecord): the carry that `speculative_rounds` advances.
     """
     K = drafter.num_tokens
     batch = state.batch
@@ -285,16 +283,42 @@ def speculative_loop(params, state: DecodeState, cfg: GenerationConfig, drafter,
     stats = SpeculativeStats.zeros(batch, K, start)
     if draft_state is not None:
         stats = dataclasses.replace(stats, draft_forwards=jnp.int32(1))
-    carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats)
+    return state, SpecCarry(draft_state=draft_state, k_sched=start, stats=stats), record
+
+
+def speculative_rounds(params, state: DecodeState, carry, record, cfg: GenerationConfig,
+                       drafter, draft_params=None, ext: Extensions = NO_EXTENSIONS, *,
+                       start=1, stop=None):
+    """Runs rounds start..stop-1 (fewer once every row is done) in one `lax.while_loop`.
+
+    Returns (next round index, state, SpecCarry, StepRecord). The chunked driver calls it a
+    few rounds per jit call; `speculative_loop` once for the whole budget.
+    """
+    steps = state.buffer_len - state.prompt_bucket
+    stop = steps if stop is None else jnp.minimum(stop, steps)
 
     def cond(loop):
         i, st, _, _ = loop
-        return (i < steps) & ~jnp.all(st.done)
+        return (i < stop) & ~jnp.all(st.done)
 
     def body(loop):
         i, st, sc, rec = loop
         st, sc, rec = speculative_round(params, draft_params, st, sc, rec, cfg, drafter, ext)
         return i + 1, st, sc, rec
 
-    _, state, carry, record = jax.lax.while_loop(cond, body, (jnp.int32(1), state, carry, record))
+    return jax.lax.while_loop(cond, body, (jnp.asarray(start, jnp.int32), state, carry, record))
+
+
+def speculative_loop(params, state: DecodeState, cfg: GenerationConfig, drafter,
+                     draft_params=None, start_tokens=None, ext: Extensions = NO_EXTENSIONS):
+    """Prefill + `lax.while_loop` of speculative rounds until every row is done.
+
+    drafter: `DraftModelDrafter` or `PromptLookupDrafter` (static). start_tokens: optional
+    int32 [B] (or scalar) starting draft length per row (default cfg.num_assistant_tokens,
+    clipped to [1, K]). Returns (final state with `spec` set, StepRecord, SpeculativeStats).
+    """
+    state, carry, record = speculative_start(params, state, cfg, drafter, draft_params,
+                                             start_tokens, ext)
+    _, state, carry, record = speculative_rounds(params, state, carry, record, cfg, drafter,
+                                                 draft_params, ext)
     return state.replace(spec=carry), record, carry.stats
