@@ -194,13 +194,23 @@ def _generate_chunked(params, state, cfg, ext, custom, assisted, traced: bool, *
     if cfg.num_beams > 1:
         raise ValueError(f"{what} are not supported with beam search (num_beams > 1), as in "
                          f"Hugging Face; use greedy or sampling")
-    if cfg.cache_implementation == "dynamic":
-        raise ValueError(f"{what} are not supported with cache_implementation='dynamic' yet")
     jit_cfg = canonical_config(cfg.replace(max_time=None))
+    options = dict(streamer=streamer, max_time=cfg.max_time, stop_event=stop_event,
+                   timings=timings)
+    if cfg.cache_implementation == "dynamic":
+        if assisted is not None:
+            raise ValueError("cache_implementation='dynamic' cannot be combined with assisted "
+                             "decoding; use 'static'")
+        from jaxgen.growing import run_growing
+        final, record, _ = run_growing(params, state, jit_cfg, ext, chunk_size=chunk_size,
+                                       **options)
+        return GenerateOutput(sequences=final.tokens, lengths=final.length,
+                              prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
+                              token_logprobs=record.token_logprobs, scores=record.scores,
+                              logits=record.logits, state=final)
     final, record, stats = run_chunked(
-        params, state, jit_cfg, ext, streamer=streamer,
-        chunk_size=DEFAULT_CHUNK if chunk_size is None else chunk_size, max_time=cfg.max_time,
-        stop_event=stop_event, timings=timings, assisted=assisted)
+        params, state, jit_cfg, ext, chunk_size=DEFAULT_CHUNK if chunk_size is None else
+        chunk_size, assisted=assisted, **options)
     return GenerateOutput(sequences=final.tokens, lengths=final.length,
                           prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
                           token_logprobs=record.token_logprobs, scores=record.scores,

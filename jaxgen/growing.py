@@ -14,8 +14,8 @@ chunk would not fit:
 The outputs are identical to the single-call static path (same body, same processors, same
 keys; masked keys beyond a row's length contribute exactly zero), while the cache's bytes
 follow the real length: at most max(2 x needed, C0). The token buffer [B, T] keeps its full
-static length (int32, small next to the cache). A later streaming driver reuses
-`run_growing`'s loop shape (`on_chunk` sees the state after every chunk).
+static length (int32, small next to the cache). The loop is the streaming driver's
+(jaxgen.chunked.run_chunked); `on_chunk` sees the state before every decode chunk.
 
 Example:
     >>> cfg = GenerationConfig(max_new_tokens=512, cache_implementation="dynamic",
@@ -28,12 +28,11 @@ import dataclasses
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache import validate_cache_config
 from jaxgen.config import GenerationConfig
-from jaxgen.decode import StepRecord, choose_and_write, decode_steps, prefill
+from jaxgen.chunked import run_chunked
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.state import DecodeState, _next_pow2
 
@@ -48,24 +47,6 @@ class ChunkInfo:
     max_length: int  # longest row when it started
 
 
-def _prefill_impl(params, state: DecodeState, cfg: GenerationConfig, ext: Extensions):
-    steps = state.buffer_len - state.prompt_bucket
-    record = StepRecord.empty(state.batch, max(steps, 1), state.model.vocab_size, cfg)
-    state, logits = prefill(params, state)
-    return choose_and_write(cfg, state, logits, record, 0, ext)
-
-
-def _chunk_impl(params, state: DecodeState, record: StepRecord, start, cfg: GenerationConfig,
-                ext: Extensions, chunk: int):
-    steps = state.buffer_len - state.prompt_bucket
-    stop = jnp.minimum(start + chunk, steps)
-    return decode_steps(params, state, cfg, record, start, stop, ext)
-
-
-_prefill_jit = jax.jit(_prefill_impl, donate_argnums=(1,), static_argnums=(3,))
-_chunk_jit = jax.jit(_chunk_impl, donate_argnums=(1, 2), static_argnums=(5, 6))
-
-
 def grow(state: DecodeState, needed: int) -> DecodeState:
     """Re-allocates the state's cache at the next bucket if it holds fewer than `needed`
     positions: max(2 x capacity, pow2(needed)), capped at the token buffer's length."""
@@ -78,9 +59,13 @@ def grow(state: DecodeState, needed: int) -> DecodeState:
 
 def run_growing(params, state: DecodeState, cfg: GenerationConfig,
                 ext: Extensions = NO_EXTENSIONS, *, chunk_size: int | None = None,
-                on_chunk: Callable[[DecodeState, ChunkInfo], None] | None = None):
+                on_chunk: Callable[[DecodeState, ChunkInfo], None] | None = None,
+                **chunked_options):
     """Decodes `state` to completion, growing its cache between jitted chunks.
 
+    The loop itself is jaxgen.chunked.run_chunked (so streamers, max_time and cancellation
+    work here too: pass them in `chunked_options`); this module only supplies the hook that
+    re-allocates the cache before a chunk that would not fit.
     cfg must already be canonical (jaxgen.generate.canonical_config). Consumes `state`.
     Returns (final state, StepRecord, [ChunkInfo, ...]).
     """
@@ -88,26 +73,25 @@ def run_growing(params, state: DecodeState, cfg: GenerationConfig,
         raise ValueError(f"the {type(state.cache).__name__} cannot grow; build the state with "
                          f"cache_implementation='dynamic'")
     chunk = int(chunk_size or validate_cache_config("dynamic", cfg.cache_config)["chunk_size"])
-    steps = state.buffer_len - state.prompt_bucket
     log: list[ChunkInfo] = []
-    state = grow(state, state.prompt_bucket)
-    log.append(ChunkInfo(step=0, capacity=state.cache.max_len, cache_bytes=state.cache.nbytes(),
-                         max_length=int(np.max(jax.device_get(state.prompt_len)))))
-    state, record = _prefill_jit(params, state, cfg, ext)
-    step = 1
-    while step < steps:
-        done, length = jax.device_get((state.done, state.length))
-        if np.all(done):
-            break
-        state = grow(state, int(np.max(length)) + chunk - 1)
-        info = ChunkInfo(step=step, capacity=state.cache.max_len,
-                         cache_bytes=state.cache.nbytes(), max_length=int(np.max(length)))
+
+    def prepare(st: DecodeState, step: int, steps: int) -> DecodeState:
+        if step == 0:  # the prefill writes the whole prompt bucket
+            longest = int(np.max(jax.device_get(st.prompt_len)))
+            st = grow(st, st.prompt_bucket)
+        else:
+            longest = int(np.max(jax.device_get(st.length)))
+            st = grow(st, longest + steps - 1)
+        info = ChunkInfo(step=step, capacity=st.cache.max_len, cache_bytes=st.cache.nbytes(),
+                         max_length=longest)
         log.append(info)
-        _, state, record = _chunk_jit(params, state, record, jnp.int32(step), cfg, ext, chunk)
-        step += chunk
-        if on_chunk is not None:
-            on_chunk(state, info)
-    return state, record, log
+        if on_chunk is not None and step > 0:
+            on_chunk(st, info)
+        return st
+
+    final, record, _ = run_chunked(params, state, cfg, ext, chunk_size=chunk,
+                                   prepare_chunk=prepare, **chunked_options)
+    return final, record, log
 
 
 def peak_cache_bytes(log: list[ChunkInfo]) -> int:

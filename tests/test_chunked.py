@@ -218,3 +218,23 @@ def test_smollm2_prompt_lookup_streams_the_same_text(smollm2):
                                   streamer=Capture(tokenizer, skip_prompt=True))[0]
     assert chunked == single
     assert "".join(pieces) == tokenizer.decode(single[len(row):])
+
+
+def test_growing_cache_streams_through_the_same_driver():
+    from jaxgen.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+                              num_heads=2, num_kv_heads=1, head_dim=8))
+    params = model.init_params(jax.random.key(1))
+    static = jaxgen.GenerationConfig(max_new_tokens=50, do_sample=True, top_k=0)
+    dynamic = static.replace(cache_implementation="dynamic",
+                             cache_config={"initial_length": 16, "chunk_size": 4})
+    ref = jaxgen.generate(params, jaxgen.init_state(model, [[1, 2]], static, jax.random.key(0)),
+                          static)
+    streamer = Collect()
+    out = jaxgen.generate(params, jaxgen.init_state(model, [[1, 2]], dynamic, jax.random.key(0)),
+                          dynamic, streamer=streamer)
+    np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(ref.sequences))
+    assert sum(streamer.puts, []) == np.asarray(ref.sequences)[0, :int(ref.lengths[0])].tolist()
+    # it grew 16 -> 32 -> 64 for 51 positions, never to the 66-token buffer
+    assert out.state.cache.max_len == 64 < out.sequences.shape[1] == 66
