@@ -8,6 +8,8 @@ batch 1 and 8, all measured in one run:
 
 The floor is (bytes of weights + KV cache read per decode step) / bandwidth, where the
 bandwidth is measured in the same run by a jitted fp32 matrix-vector product over 512 MB.
+jaxgen runs on `unstack_layers(params)` (one buffer per layer; `--stacked` for the scan
+layout); the floor counts the weights once (538 MB), as a decode step reads them once.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgen
-from jaxgen.models import DEFAULT_MODEL, load
+from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
 from jaxgen.models.hf_export import hf_from_jaxgen
 
 
@@ -85,6 +87,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--stacked", action="store_true",
+                        help="run jaxgen on the stacked (scan) layout instead of unstack_layers")
     args = parser.parse_args()
 
     import torch
@@ -93,6 +97,8 @@ def main() -> None:
     model, params, tokenizer = load(DEFAULT_MODEL, dtype=jnp.float32)
     hf = hf_from_jaxgen(model, params)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))
+    if not args.stacked:
+        params = unstack_layers(model, params)  # same weights, one buffer per layer
     bandwidth = measure_bandwidth()
     cfg = model.config
     rows = []

@@ -99,7 +99,7 @@ def load_model(args):
     if tokenizer is None:
         raise CliError(f"model {name!r} has no tokenizer.json: the command line needs text",
                        EXIT_MODEL)
-    return model, params, tokenizer
+    return model, models.unstack_layers(model, params), tokenizer
 
 
 def make_config(model, args):

@@ -281,20 +281,24 @@ class Llama:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"exit_layer={exit_layer} must be in [1, {cfg.num_layers}]")
         layers = params["layers"]
-        if num_layers < cfg.num_layers:
-            layers = jax.tree_util.tree_map(lambda a: a[:num_layers], layers)
         x = jnp.take(params["embed"], tokens, axis=0)  # [B, S, D]
         cos, sin = rope_lib.cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings, x.dtype)  # [B, S, Dh] each
+        if isinstance(layers, (list, tuple)):  # unstacked (see unstack_layers): unrolled
+            for index, layer_params in enumerate(layers[:num_layers]):
+                x, cache = self._block(layer_params, index, x, cos, sin, positions, cache)
+        else:
+            if num_layers < cfg.num_layers:
+                layers = jax.tree_util.tree_map(lambda a: a[:num_layers], layers)
 
-        def layer_step(carry, scanned):
-            h, kv = carry
-            layer_params, index = scanned
-            h, kv = self._block(layer_params, index, h, cos, sin, positions, kv)
-            return (h, kv), None
+            def layer_step(carry, scanned):
+                h, kv = carry
+                layer_params, index = scanned
+                h, kv = self._block(layer_params, index, h, cos, sin, positions, kv)
+                return (h, kv), None
 
-        layer_ids = jnp.arange(num_layers, dtype=jnp.int32)  # [L']
-        (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (layers, layer_ids))
+            layer_ids = jnp.arange(num_layers, dtype=jnp.int32)  # [L']
+            (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (layers, layer_ids))
         hidden = x  # [B, S, D]
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None].astype(jnp.int32),
@@ -306,7 +310,7 @@ class Llama:
     def head(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Final norm + LM head: hidden [B, S, D] -> logits [B, S, V] float32."""
         normed = rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)  # [B, S, D]
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and "lm_head" not in params:
             return jnp.einsum("bsd,vd->bsv", normed, params["embed"],
                               preferred_element_type=jnp.float32)  # [B, S, V]
         return jnp.einsum("bsd,dv->bsv", normed, params["lm_head"],
@@ -347,3 +351,30 @@ def param_shapes(config: LlamaConfig) -> dict:
     model = Llama(config)
     return jax.tree_util.tree_map(lambda a: tuple(a.shape),
                                   jax.eval_shape(lambda: model.init_params(jax.random.key(0))))
+
+
+def unstack_layers(model: Llama, params: dict) -> dict:
+    """The same weights laid out for fast decoding: one buffer per layer and a [D, V] head.
+
+    The stacked layout ([L, ...] arrays run by `lax.scan`) compiles fast, but XLA:CPU copies
+    each layer's slice before its matmuls, roughly doubling the bytes read per decode step.
+    Here `params["layers"]` becomes a list of per-layer dicts (the forward unrolls them) and a
+    tied head gets its own transposed copy (`lm_head` [D, V], a contiguous matrix-vector
+    product). Outputs equal the stacked layout's up to float rounding (different matmul
+    kernels); compile time grows with the number of layers.
+
+    Example:
+        >>> fast = unstack_layers(model, params)
+        >>> jaxgen.generate(fast, state, cfg)      # same tokens as with `params`
+    """
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    count = model.config.num_layers
+    per_layer = [{name: jnp.array(array[i]) for name, array in layers.items()}
+                 for i in range(count)]
+    fast = dict(params, layers=per_layer)
+    if "lm_head" not in fast:
+        fast["lm_head"] = jnp.array(params["embed"].T)  # [D, V]
+    return fast
+

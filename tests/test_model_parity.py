@@ -205,3 +205,26 @@ def test_smollm2_greedy_answers_paris():
                       jnp.asarray([[len(prompt) + step]], jnp.int32), out.cache)
     answer = tokenizer.decode(generated, skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_unstacked_layers_give_the_same_logits_and_tokens(tiny):
+    from jaxgen.models import unstack_layers
+
+    import jaxgen
+
+    _, model, params = tiny
+    fast = unstack_layers(model, params)
+    assert isinstance(fast["layers"], list) and len(fast["layers"]) == model.config.num_layers
+    assert fast["lm_head"].shape == (model.config.hidden_size, model.config.vocab_size)
+    tokens = jnp.asarray([[5, 17, 33, 2, 60]], jnp.int32)
+    positions = jnp.arange(5, dtype=jnp.int32)[None]
+    stacked = model(params, tokens, positions, model.init_cache(1, 8))
+    unstacked = model(fast, tokens, positions, model.init_cache(1, 8))
+    np.testing.assert_allclose(unstacked.logits, stacked.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(unstacked.cache.k, stacked.cache.k, rtol=1e-5, atol=1e-6)
+    early = model(fast, tokens, positions, model.init_cache(1, 8), exit_layer=1)
+    np.testing.assert_allclose(early.logits, model(params, tokens, positions, model.init_cache(
+        1, 8), exit_layer=1).logits, rtol=1e-5, atol=1e-5)
+    cfg = jaxgen.GenerationConfig(max_new_tokens=12)
+    assert (jaxgen.generate_ids(model, fast, [[5, 17, 33], [9]], cfg)
+            == jaxgen.generate_ids(model, params, [[5, 17, 33], [9]], cfg))
