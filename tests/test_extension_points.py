@@ -262,7 +262,7 @@ def test_recorded_scores_are_the_full_chain_of_the_recorded_logits():
     (dict(exponential_decay_length_penalty=(2, -1.0)), r"`exponential_decay_length_penalty`"),
     (dict(stop_strings=["ok", ""]), r"`stop_strings`"),
     (dict(stop_strings=5), r"`stop_strings`"),
-    (dict(max_time=3.0), r"`max_time`.*chunked streaming driver"),
+    (dict(max_time=-3.0), r"`max_time` must be a number of seconds > 0"),
     (dict(filter_impl="fast"), r"`filter_impl` must be one of \('search', 'sort'\)"),
     (dict(remove_invalid_values="yes"), r"`remove_invalid_values`"),
 ])
