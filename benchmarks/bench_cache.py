@@ -27,7 +27,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgen.models import Llama, LlamaConfig
 from jaxgen.state import _next_pow2

@@ -250,7 +250,6 @@ def main() -> None:
 
     # --- transformers ---------------------------------------------------------------------
     if not args.skip_hf:
-        import torch
         hf = hf_model_from(model, params)
         outs, seconds, new = run_hf(hf, singles, args.new_tokens)
         hf_tps = new / seconds

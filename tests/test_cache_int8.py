@@ -8,7 +8,7 @@ import pytest
 
 import jaxgen
 from jaxgen.cache_attention import KeyBlock, attend_blocks
-from jaxgen.cache_int8 import QuantizedKVCache, dequantize, pack4, quantize, unpack4
+from jaxgen.cache_int8 import dequantize, pack4, quantize, unpack4
 from jaxgen.config import GenerationConfig
 
 PROMPTS = [

@@ -6,7 +6,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model_fixtures import (assert_logits_close, smollm2_pair, hf_greedy_logits, jax_greedy_logits,
-                            make_hf_model, save_hf_model, to_hf_state_dict)
+                            make_hf_model, save_hf_model)
 from jaxgen.models import DEFAULT_MODEL, Llama, LlamaConfig, load
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import jaxgen
 from jaxgen import stopping
@@ -48,18 +47,10 @@ def processor_settings(tokenizer):
 
 def hf_rows(hf_model, prompts, **kwargs):
     """HF generate on a left-padded batch: prompt + new ids per row, post-stop padding cut."""
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), PAD, dtype=torch.long)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        ids[b, longest - len(prompt):] = torch.tensor(prompt)
-        mask[b, longest - len(prompt):] = 1
-    with torch.no_grad():
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, pad_token_id=PAD,
-                                do_sample=False, **kwargs)
     rows = []
-    for b, prompt in enumerate(prompts):
-        new = out[b, longest:].tolist()
+    for prompt, row in zip(prompts, model_fixtures.hf_generate_rows(hf_model, prompts, PAD,
+                                                                    do_sample=False, **kwargs)):
+        new = row[len(prompt):]
         if EOS in new:
             new = new[:new.index(EOS) + 1]
         while new and new[-1] == PAD:
