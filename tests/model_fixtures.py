@@ -15,6 +15,17 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+# Random-model configurations shared by the parity tests: name -> (architecture, overrides).
+SHARED_CASES = {
+    "llama_tiny": ("llama", {}),
+    "llama_gqa_untied_llama3": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False,
+                                              rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)),
+    "qwen2_biases": ("qwen2", dict(num_key_value_heads=2)),
+    "qwen3_qk_norm": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
+}
+
 
 def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     """A random HF causal LM (eager attention, fp32) with perturbed norms and biases."""

@@ -6,18 +6,11 @@ import jax.numpy as jnp
 import pytest
 
 import jaxgen
-from model_fixtures import hf_generate_rows, make_hf_model, save_hf_model, smollm2_pair
+from model_fixtures import (SHARED_CASES, hf_generate_rows, make_hf_model, save_hf_model,
+                            smollm2_pair)
 from jaxgen.models import load
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-RANDOM_MODELS = {
-    "llama_tiny": ("llama", {}),
-    "llama_gqa_untied_llama3": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False,
-                                              rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)),
-    "qwen2_biases": ("qwen2", dict(num_key_value_heads=2)),
-    "qwen3_qk_norm": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
-}
+RANDOM_MODELS = SHARED_CASES
 RAGGED = [[5, 17, 33, 2, 60, 61, 8, 90, 44, 3, 12], [7, 8], [40, 41, 42, 43, 44, 45], [9]]
 NEW_TOKENS = 20
 

@@ -7,22 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from model_fixtures import (assert_logits_close, smollm2_pair, hf_greedy_logits, jax_greedy_logits,
-                            make_hf_model, save_hf_model)
+from model_fixtures import (SHARED_CASES, assert_logits_close, hf_greedy_logits,
+                            jax_greedy_logits, make_hf_model, save_hf_model, smollm2_pair)
 from jaxgen.models import DEFAULT_MODEL, Llama, LlamaConfig, load
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-
 CASES = {
-    "llama_tiny": ("llama", {}),
-    "llama_gqa_untied_llama3": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False,
-                                              rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)),
+    **SHARED_CASES,
     "llama_tied_linear": ("llama", dict(tie_word_embeddings=True,
                                         rope_scaling={"rope_type": "linear", "factor": 4.0})),
-    "qwen2_biases": ("qwen2", dict(num_key_value_heads=2)),
-    "qwen3_qk_norm": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
     "llama_attention_bias": ("llama", dict(attention_bias=True)),  # q/k/v/o biases
     "mistral": ("mistral", dict(num_key_value_heads=1, sliding_window=None)),
 }
