@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxgen import stopping
 from jaxgen.config import GenerationConfig
-from jaxgen.decode import StepRecord, choose_and_write, decode_steps, prefill
+from jaxgen.decode import StepRecord, decode_start, decode_steps
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.speculative.loop import speculative_rounds, speculative_start
 from jaxgen.state import DecodeState
@@ -45,14 +45,6 @@ class ChunkTimings:
     chunks: int = 0
     steps: int = 0
     chunk_s: list = dataclasses.field(default_factory=list)  # wall time of each decode chunk
-
-
-def _start_impl(params, state: DecodeState, cfg: GenerationConfig, ext: Extensions):
-    steps = state.buffer_len - state.prompt_bucket
-    record = StepRecord.empty(state.batch, max(steps, 1), state.model.vocab_size, cfg)
-    state, logits = prefill(params, state)
-    state, record = choose_and_write(cfg, state, logits, record, 0, ext)
-    return state, record
 
 
 def _chunk_impl(params, state: DecodeState, record: StepRecord, start, stop,
@@ -72,7 +64,7 @@ def _spec_chunk_impl(params, state: DecodeState, carry, record: StepRecord, star
     return state, carry, record
 
 
-_start_jit = jax.jit(_start_impl, donate_argnums=(1,), static_argnums=(3,))
+_start_jit = jax.jit(decode_start, donate_argnums=(1,), static_argnums=(3,))
 _chunk_jit = jax.jit(_chunk_impl, donate_argnums=(1, 2), static_argnums=(6,))
 _spec_start_jit = jax.jit(_spec_start_impl, donate_argnums=(1,), static_argnums=(5, 6))
 _spec_chunk_jit = jax.jit(_spec_chunk_impl, donate_argnums=(1, 2, 3), static_argnums=(8, 9))

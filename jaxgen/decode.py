@@ -84,15 +84,23 @@ def choose_and_write(cfg: GenerationConfig, state: DecodeState, raw_logits: jax.
     return state.replace(tokens=tokens, length=length, done=done, stop_reason=reason), record
 
 
+def decode_start(params, state: DecodeState, cfg: GenerationConfig,
+                 ext: Extensions = NO_EXTENSIONS) -> tuple[DecodeState, StepRecord]:
+    """Empty step records, the prefill and the first new token (step 0) of every row.
+
+    Every loop starts here: this one, the chunked driver and the assisted loop.
+    """
+    steps = state.buffer_len - state.prompt_bucket
+    record = StepRecord.empty(state.batch, max(steps, 1), state.model.vocab_size, cfg)
+    state, logits = prefill(params, state)
+    return choose_and_write(cfg, state, logits, record, 0, ext)
+
+
 def decode_loop(params, state: DecodeState, cfg: GenerationConfig,
                 ext: Extensions = NO_EXTENSIONS) -> tuple[DecodeState, StepRecord]:
     """Prefill + while_loop until every row is done. Returns the final state and records."""
+    state, record = decode_start(params, state, cfg, ext)
     steps = state.buffer_len - state.prompt_bucket
-    vocab = state.model.vocab_size
-    record = StepRecord.empty(state.batch, max(steps, 1), vocab, cfg)
-    # Rows whose budget is already exhausted never decode.
-    state, logits = prefill(params, state)
-    state, record = choose_and_write(cfg, state, logits, record, 0, ext)
     _, state, record = decode_steps(params, state, cfg, record, 1, steps, ext)
     return state, record
 

@@ -81,6 +81,14 @@ def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
     return jax.tree_util.tree_unflatten(treedef, [cast(n, v) for n, v in zip(names, leaves)])
 
 
+def _output(final: DecodeState, record, stats=None) -> GenerateOutput:
+    """The output of the one-token-per-step and assisted loops: final state + step records."""
+    return GenerateOutput(sequences=final.tokens, lengths=final.length,
+                          prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
+                          token_logprobs=record.token_logprobs, scores=record.scores,
+                          logits=record.logits, state=final, speculative=stats)
+
+
 def _generate_impl(params, state: DecodeState, cfg: GenerationConfig,
                    ext: Extensions = NO_EXTENSIONS, custom=None) -> GenerateOutput:
     _trace_count["generate"] += 1
@@ -98,10 +106,7 @@ def _generate_impl(params, state: DecodeState, cfg: GenerationConfig,
         final, record = decode_loop(params, state, cfg, ext)
     else:  # validated away in GenerationConfig; kept for clarity
         raise ValueError(f"unsupported generation mode {cfg.mode!r}")
-    return GenerateOutput(sequences=final.tokens, lengths=final.length,
-                          prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
-                          token_logprobs=record.token_logprobs, scores=record.scores,
-                          logits=record.logits, state=final)
+    return _output(final, record)
 
 
 _generate_jit = jax.jit(_generate_impl, donate_argnums=(1,), static_argnums=(3, 4))
@@ -113,10 +118,7 @@ def _assisted_impl(params, state: DecodeState, cfg: GenerationConfig, draft_para
     _trace_count["generate"] += 1
     final, record, stats = speculative_loop(params, state, cfg, drafter, draft_params,
                                             start_tokens, ext)
-    return GenerateOutput(sequences=final.tokens, lengths=final.length,
-                          prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
-                          token_logprobs=record.token_logprobs, scores=record.scores,
-                          logits=record.logits, state=final, speculative=stats)
+    return _output(final, record, stats)
 
 
 _assisted_jit = jax.jit(_assisted_impl, donate_argnums=(1,), static_argnums=(5, 6))
@@ -168,18 +170,20 @@ def _check_hooks(state: DecodeState, cfg: GenerationConfig, ext: Extensions, cus
                              "not supported with beam search (num_beams > 1) yet")
 
 
-def _generate_growing(params, state, cfg, ext, custom, assisted: bool, traced: bool):
-    """cache_implementation="dynamic": the chunked driver of jaxgen.growing (host loop)."""
+def _generate_growing(params, state, jit_cfg, ext, custom, assisted: bool, traced: bool,
+                      **options):
+    """cache_implementation="dynamic": jaxgen.growing on the chunked driver (host loop).
+
+    jit_cfg: the canonical config without max_time; options: streamer / max_time /
+    stop_event / timings / chunk_size for the chunked driver.
+    """
     if custom is not None or assisted or traced:
         raise ValueError("cache_implementation='dynamic' runs a host-side chunked driver: it "
                          "cannot be combined with custom_generate, assisted decoding or "
                          "jax.vmap / jit around generate; use 'static'")
     from jaxgen.growing import run_growing
-    final, record, _ = run_growing(params, state, canonical_config(cfg), ext)
-    return GenerateOutput(sequences=final.tokens, lengths=final.length,
-                          prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
-                          token_logprobs=record.token_logprobs, scores=record.scores,
-                          logits=record.logits, state=final)
+    final, record, _ = run_growing(params, state, jit_cfg, ext, **options)
+    return _output(final, record)
 
 
 def _generate_chunked(params, state, cfg, ext, custom, assisted, traced: bool, *,
@@ -198,23 +202,12 @@ def _generate_chunked(params, state, cfg, ext, custom, assisted, traced: bool, *
     options = dict(streamer=streamer, max_time=cfg.max_time, stop_event=stop_event,
                    timings=timings)
     if cfg.cache_implementation == "dynamic":
-        if assisted is not None:
-            raise ValueError("cache_implementation='dynamic' cannot be combined with assisted "
-                             "decoding; use 'static'")
-        from jaxgen.growing import run_growing
-        final, record, _ = run_growing(params, state, jit_cfg, ext, chunk_size=chunk_size,
-                                       **options)
-        return GenerateOutput(sequences=final.tokens, lengths=final.length,
-                              prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
-                              token_logprobs=record.token_logprobs, scores=record.scores,
-                              logits=record.logits, state=final)
+        return _generate_growing(params, state, jit_cfg, ext, custom, assisted is not None,
+                                 traced, chunk_size=chunk_size, **options)
     final, record, stats = run_chunked(
         params, state, jit_cfg, ext, chunk_size=DEFAULT_CHUNK if chunk_size is None else
         chunk_size, assisted=assisted, **options)
-    return GenerateOutput(sequences=final.tokens, lengths=final.length,
-                          prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
-                          token_logprobs=record.token_logprobs, scores=record.scores,
-                          logits=record.logits, state=final, speculative=stats)
+    return _output(final, record, stats)
 
 
 def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
@@ -252,21 +245,20 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     # shared by every mapped call.
     traced = any(isinstance(leaf, jax.core.Tracer)
                  for leaf in jax.tree_util.tree_leaves((state, cfg)))
+    start = None if num_assistant_tokens is None else jnp.asarray(num_assistant_tokens,
+                                                                   jnp.int32)
     if needs_chunked(cfg, streamer, stop_event):
         assisted = None
         if drafter is not None:
-            start = None if num_assistant_tokens is None else jnp.asarray(num_assistant_tokens,
-                                                                           jnp.int32)
             assisted = Assisted(drafter=drafter, draft_params=draft_params, start_tokens=start)
         return _generate_chunked(params, state, cfg, ext, custom, assisted, traced,
                                  streamer=streamer, stop_event=stop_event,
                                  chunk_size=chunk_size, timings=timings)
     if cfg.cache_implementation == "dynamic":
-        return _generate_growing(params, state, cfg, ext, custom, drafter is not None, traced)
+        return _generate_growing(params, state, canonical_config(cfg), ext, custom,
+                                 drafter is not None, traced)
     if drafter is not None:
         run = _assisted_traced_jit if traced else _assisted_jit
-        start = None if num_assistant_tokens is None else jnp.asarray(num_assistant_tokens,
-                                                                       jnp.int32)
         return run(params, state, canonical_config(cfg), draft_params, start, ext, drafter)
     run = _generate_beam_jit if cfg.num_beams > 1 or traced else _generate_jit
     return run(params, state, canonical_config(cfg), ext, custom)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxgen import stopping
 from jaxgen.config import GenerationConfig
-from jaxgen.decode import StepRecord, choose_and_write, prefill
+from jaxgen.decode import StepRecord, decode_start
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.processors import ProcessorContext
 from jaxgen.speculative import verify
@@ -269,10 +269,7 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
     """
     K = drafter.num_tokens
     batch = state.batch
-    steps = state.buffer_len - state.prompt_bucket
-    record = StepRecord.empty(batch, max(steps, 1), state.model.vocab_size, cfg)
-    state, logits = prefill(params, state)
-    state, record = choose_and_write(cfg, state, logits, record, 0, ext)
+    state, record = decode_start(params, state, cfg, ext)
     draft_state = drafter.init(draft_params, state)
     if not drafter.scheduled:  # prompt lookup: always up to K drafts
         start = jnp.full((batch,), K, jnp.int32)
