@@ -20,7 +20,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from .llama import Llama, LlamaConfig, param_shapes
+from .llama import Llama, LlamaConfig, checked_params, param_shapes
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
@@ -164,17 +164,5 @@ def gguf_model(reader, path: str = "<gguf>", dtype=jnp.float32) -> tuple[Llama, 
         params["lm_head"] = None if head is None else head.T
     if missing:
         raise ValueError(f"{path}: missing tensor(s): {', '.join(missing[:8])}")
-    return Llama(config), _to_jax(params, expected, dtype, path)
+    return Llama(config), checked_params(params, expected, dtype, path)
 
-
-def _to_jax(params: dict, expected: dict, dtype, path: str) -> dict:
-    out = {}
-    for key, value in params.items():
-        if isinstance(value, dict):
-            out[key] = _to_jax(value, expected[key], dtype, path)
-            continue
-        if tuple(value.shape) != tuple(expected[key]):
-            raise ValueError(f"{path}: tensor for {key!r} has shape {value.shape}, "
-                             f"expected {expected[key]}")
-        out[key] = jnp.asarray(value, dtype=dtype)
-    return out

@@ -15,7 +15,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from .llama import Llama, LlamaConfig, param_shapes
+from .llama import Llama, LlamaConfig, checked_params, param_shapes
 from .safetensors_io import read_safetensors
 
 _LAYER_NAMES = {  # params name -> (HF suffix under model.layers.{i}., transpose)
@@ -101,20 +101,7 @@ def hf_to_params(config: LlamaConfig, tensors: dict[str, np.ndarray], dtype=jnp.
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-    return _to_jax(params, expected, dtype)
-
-
-def _to_jax(params: dict, expected: dict, dtype) -> dict:
-    out = {}
-    for key, value in params.items():
-        if isinstance(value, dict):
-            out[key] = _to_jax(value, expected[key], dtype)
-            continue
-        if tuple(value.shape) != tuple(expected[key]):
-            raise ValueError(f"tensor for {key!r} has shape {tuple(value.shape)}, "
-                             f"expected {tuple(expected[key])}")
-        out[key] = jnp.asarray(np.asarray(value, dtype=np.float32), dtype=dtype)
-    return out
+    return checked_params(params, expected, dtype)
 
 
 def load_hf_checkpoint(folder: str, dtype=jnp.float32) -> tuple[Llama, dict]:

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgen.cache import CACHE_KINDS, KVCache, make_cache
 
@@ -344,6 +345,22 @@ class Llama:
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)  # [B, S, D]
         gated = jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])  # [B, S, F]
         return x + gated @ p["w_down"], cache  # [B, S, D]
+
+
+def checked_params(params: dict, expected: dict, dtype, where: str = "") -> dict:
+    """Host arrays -> jax arrays of `dtype`, checking every shape against `expected`
+    (param_shapes). where: a prefix for the error message (e.g. the file's path)."""
+    out = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out[key] = checked_params(value, expected[key], dtype, where)
+            continue
+        if tuple(value.shape) != tuple(expected[key]):
+            prefix = f"{where}: " if where else ""
+            raise ValueError(f"{prefix}tensor for {key!r} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(expected[key])}")
+        out[key] = jnp.asarray(np.asarray(value, dtype=np.float32), dtype=dtype)
+    return out
 
 
 def param_shapes(config: LlamaConfig) -> dict:
