@@ -206,6 +206,7 @@ def run_batch(model, params, tokenizer, cfg, args) -> int:
     from tqdm import tqdm
 
     import jaxgen
+    from jaxgen.generate import outputs_to_lists
 
     if args.batch_size < 1:
         raise CliError("--batch-size must be >= 1", EXIT_USAGE)
@@ -224,7 +225,7 @@ def run_batch(model, params, tokenizer, cfg, args) -> int:
             rows = _rows(tokenizer, prompts, use_template)
             keys = jax.random.split(jax.random.key(args.seed), len(rows))
             out = jaxgen.generate(params, jaxgen.init_state(model, rows, cfg, keys), cfg)
-            for record, row, full in zip(chunk, rows, _lists(out)):
+            for record, row, full in zip(chunk, rows, outputs_to_lists(out)):
                 new = full[len(row):]
                 total_new += len(new)
                 result = dict(record)
@@ -240,12 +241,6 @@ def run_batch(model, params, tokenizer, cfg, args) -> int:
         print(f"[{len(records)} prompts, {total_new} new tokens, {total_new / elapsed:.1f} "
               f"tokens/s]", file=sys.stderr)
     return 0
-
-
-def _lists(out):
-    from jaxgen.generate import outputs_to_lists
-
-    return outputs_to_lists(out)
 
 
 def run(args) -> int:

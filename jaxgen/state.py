@@ -64,10 +64,7 @@ class DecodeState:
 
 def prompt_bucket(length: int) -> int:
     """Prompt lengths are padded to a power of two (at least 16) to limit compiles."""
-    bucket = MIN_PROMPT_BUCKET
-    while bucket < length:
-        bucket *= 2
-    return bucket
+    return max(MIN_PROMPT_BUCKET, _next_pow2(length))
 
 
 def _prompt_rows(prompts, lengths) -> list[list[int]]:
