@@ -4,7 +4,7 @@ A cache holds every layer's keys and values in fixed-shape arrays, stacked over 
 that a model can `lax.scan` over its layers with the cache in the carry. Each row has its
 own length (DESIGN s.2). The dense cache:
 
-    k, v    [L, B, T, Hkv, Dh]   keys / values, T = static buffer length
+    k, v    [L, B, Hkv, T, Dh]   keys / values (heads-major), T = static buffer length
     length  int32 [B]            number of valid positions per row
 
 Visibility rule: a query at position p sees the keys at positions j <= p (and, for
@@ -40,7 +40,7 @@ Example:
     >>> cache = KVCache.init(num_layers=2, batch=1, max_len=8, num_kv_heads=1,
     ...                      head_dim=4, dtype=jnp.float32)
     >>> cache.k.shape
-    (2, 1, 8, 1, 4)
+    (2, 1, 1, 8, 4)
     >>> make_cache("quantized", num_layers=2, batch=1, max_len=8, num_kv_heads=1,
     ...            head_dim=4).kq.dtype
     dtype('int8')
@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.cache_attention import KeyBlock, attend_blocks
+from jaxgen.cache_attention import KeyBlock, attend_blocks, heads_major
 
 CACHE_KINDS = ("static", "dynamic", "quantized", "sliding_window", "offloaded")
 
@@ -240,8 +240,8 @@ class KVCache:
         positions: int32 [B, S]. Positions outside [0, T) are dropped.
         """
         index = heads_major_index(positions, self.k.shape[2], layer)
-        k = self.k.at[index].set(jnp.swapaxes(k_new, 1, 2).astype(self.k.dtype), mode="drop")
-        v = self.v.at[index].set(jnp.swapaxes(v_new, 1, 2).astype(self.v.dtype), mode="drop")
+        k = self.k.at[index].set(heads_major(k_new).astype(self.k.dtype), mode="drop")
+        v = self.v.at[index].set(heads_major(v_new).astype(self.v.dtype), mode="drop")
         return dataclasses.replace(self, k=k, v=v)
 
     def attend(self, layer, q: jax.Array, q_positions: jax.Array, *,
@@ -253,8 +253,7 @@ class KVCache:
         """
         k_layer = self.k[layer]  # [B, Hkv, T, Dh]
         v_layer = self.v[layer]  # [B, Hkv, T, Dh]
-        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window,
-                            heads_major=True)
+        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window)
 
     def update_attend(self, layer, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                       positions: jax.Array, *, scale: float, window: int | None = None
@@ -313,14 +312,11 @@ def heads_major_index(positions: jax.Array, num_kv_heads: int, layer=None) -> tu
 
 
 def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
-                 scale: float, window: int | None = None, heads_major: bool = False) -> jax.Array:
+                 scale: float, window: int | None = None) -> jax.Array:
     """Grouped-query attention with the causal-by-position mask.
 
-    q: [B, S, H, Dh]; k, v: [B, T, Hkv, Dh] (or [B, Hkv, T, Dh] with heads_major);
-    q_positions: int32 [B, S].
+    q: [B, S, H, Dh]; k, v: [B, Hkv, T, Dh] (heads-major); q_positions: int32 [B, S].
     Key j is visible to a query at position p iff j <= p (and p - j < window). Softmax in fp32.
     """
-    length = k.shape[2 if heads_major else 1]
-    block = KeyBlock(k=k, v=v, positions=jnp.arange(length, dtype=jnp.int32),
-                     heads_major=heads_major)
+    block = KeyBlock(k=k, v=v, positions=jnp.arange(k.shape[2], dtype=jnp.int32))
     return attend_blocks(q, q_positions, [block], scale=scale, window=window)

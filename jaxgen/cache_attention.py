@@ -3,11 +3,16 @@
 A cache hands the kernel one or more *key blocks*; their scores are concatenated along the
 key axis, soft-maxed together (fp32) and each block contributes its share of the output.
 A block is dense (float keys/values) or quantized (int8 codes with per-token, per-head
-(per-group) scales). Quantized blocks are never dequantized: the query-key products are
+(per-group) scales). Blocks are heads-major, [B, Hkv, Tk, Dh]: each (row, head) holds its keys
+as one contiguous [Tk, Dh] matrix. Quantized blocks are never dequantized: the query-key products are
 scaled by the key scales, and the attention weights by the value scales:
 
     score[j] = (q . kq[j]) * k_scale[j] * scale          (per group, summed over groups)
     out      = sum_j (w[j] * v_scale[j]) * vq[j]
+
+The products are batched over (row, kv head) with the G query heads of a group and the S
+query positions folded into the rows of one matmul, [G*S, Dh] x [Dh, Tk]: on CPU this is one
+matmul per (row, head) instead of G*S matrix-vector products (5x faster at batch 8).
 
 Visibility of key j (at absolute position pos[j]) to a query at position p, with
 age = p - pos[j]:
@@ -22,7 +27,7 @@ age = p - pos[j]:
                                                        chunk being written")
 
 Example:
-    >>> q = jnp.ones((1, 1, 2, 4)); k = v = jnp.ones((1, 3, 1, 4))
+    >>> q = jnp.ones((1, 1, 2, 4)); k = v = jnp.ones((1, 1, 3, 4))
     >>> blk = KeyBlock(k=k, v=v, positions=jnp.arange(3))
     >>> attend_blocks(q, jnp.array([[2]]), [blk], scale=0.5).shape
     (1, 1, 2, 4)
@@ -40,9 +45,8 @@ import jax.numpy as jnp
 class KeyBlock:
     """One block of keys/values for `attend_blocks` (not a PyTree; built inside a trace).
 
-    k, v: [B, Tk, Hkv, Dh] float, or int8 codes [B, Tk, Hkv, Dh] with k_scale / v_scale
-    [B, Tk, Hkv, N] (N groups along Dh). positions: int32 [B, Tk] or [Tk] (-1 = empty).
-    heads_major: dense k, v are stored [B, Hkv, Tk, Dh] instead (no transpose needed).
+    k, v: [B, Hkv, Tk, Dh] float, or int8 codes with k_scale / v_scale [B, Hkv, Tk, N]
+    (N groups along Dh). positions: int32 [B, Tk] or [Tk] (-1 = empty).
     """
 
     k: jax.Array
@@ -54,15 +58,19 @@ class KeyBlock:
     min_age: int = 0
     max_age: int | None = None
     bypass: jax.Array | None = None  # bool [B, Tk]: visible at any age >= 0 (min/max_age ignored)
-    heads_major: bool = False
 
     @property
     def num_keys(self) -> int:
-        return self.k.shape[2 if self.heads_major else 1]
+        return self.k.shape[2]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k.shape[1 if self.heads_major else 2]
+        return self.k.shape[1]
+
+
+def heads_major(x: jax.Array) -> jax.Array:
+    """[B, S, Hkv, Dh] (a model's new keys) -> [B, Hkv, S, Dh]."""
+    return jnp.swapaxes(x, 1, 2)
 
 
 def _visible(block: KeyBlock, q_positions: jax.Array, window: int | None) -> jax.Array:
@@ -87,52 +95,54 @@ def _visible(block: KeyBlock, q_positions: jax.Array, window: int | None) -> jax
     return visible
 
 
-def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """einsum with a float32 result. fp32 inputs accumulate in fp32; narrower inputs multiply
-    in their own dtype (as HF does for bf16 models) and are widened after, since XLA:CPU has
-    no bf16 x bf16 -> f32 kernel for every shape."""
+def _matmul_f32(a: jax.Array, b: jax.Array, contract: tuple[int, int], batch: int) -> jax.Array:
+    """dot_general over the leading `batch` axes of a and b, contracting a's axis contract[0]
+    with b's axis contract[1]; float32 result. fp32 inputs accumulate in fp32; narrower inputs
+    multiply in their own dtype (as HF does for bf16 models) and are widened after, since
+    XLA:CPU has no bf16 x bf16 -> f32 kernel for every shape."""
+    dims = (((contract[0],), (contract[1],)), (tuple(range(batch)), tuple(range(batch))))
     if a.dtype == jnp.float32 and b.dtype == jnp.float32:
-        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-    return jnp.einsum(spec, a, b).astype(jnp.float32)
+        return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b.astype(a.dtype), dims).astype(jnp.float32)
 
 
-def _scores(q_grouped: jax.Array, block: KeyBlock) -> jax.Array:
-    """q_grouped [B, S, Hkv, G, Dh] -> scores [B, Hkv, G, S, Tk] float32 (unscaled)."""
+def _scores(q_rows: jax.Array, block: KeyBlock) -> jax.Array:
+    """q_rows [B, Hkv, R, Dh] (R = G*S) -> scores [B, Hkv, R, Tk] float32 (unscaled)."""
     if block.k_scale is None:
-        k = block.k.astype(q_grouped.dtype)  # [B, Hkv, Tk, Dh] or [B, Tk, Hkv, Dh]
-        k = k if block.heads_major else jnp.swapaxes(k, 1, 2)  # [B, Hkv, Tk, Dh]
-        return _einsum_f32("bshgd,bhtd->bhgst", q_grouped, k)  # [B, Hkv, G, S, Tk]
-    batch, seq, kv_heads, group, head_dim = q_grouped.shape
+        return _matmul_f32(q_rows, block.k, (3, 3), batch=2)  # [B, Hkv, R, Tk]
+    batch, kv_heads, rows, head_dim = q_rows.shape
     groups = block.k_scale.shape[-1]
-    codes = block.k.astype(q_grouped.dtype)  # [B, Tk, Hkv, Dh] (int8 codes, not dequantized)
-    k_scale = jnp.transpose(block.k_scale, (0, 2, 3, 1)).astype(jnp.float32)  # [B, Hkv, N, Tk]
+    codes = block.k.astype(q_rows.dtype)  # [B, Hkv, Tk, Dh] (int8 codes, not dequantized)
+    k_scale = block.k_scale.astype(jnp.float32)  # [B, Hkv, Tk, N]
     if groups == 1:
-        raw = _einsum_f32("bshgd,bthd->bhgst", q_grouped, codes)  # [B, Hkv, G, S, Tk]
-        return raw * k_scale[:, :, None, 0, None, :]  # [B, Hkv, G, S, Tk]
-    qn = q_grouped.reshape(batch, seq, kv_heads, group, groups, head_dim // groups)
-    kn = codes.reshape(codes.shape[0], codes.shape[1], kv_heads, groups, head_dim // groups)
-    raw = _einsum_f32("bshgnd,bthnd->bhgnst", qn, kn)  # [B, Hkv, G, N, S, Tk]
-    return jnp.sum(raw * k_scale[:, :, None, :, None, :], axis=3)  # [B, Hkv, G, S, Tk]
+        raw = _matmul_f32(q_rows, codes, (3, 3), batch=2)  # [B, Hkv, R, Tk]
+        return raw * k_scale[:, :, None, :, 0]  # [B, Hkv, R, Tk]
+    tk = codes.shape[2]
+    qn = q_rows.reshape(batch, kv_heads, rows, groups, head_dim // groups)
+    kn = codes.reshape(batch, kv_heads, tk, groups, head_dim // groups)
+    qn, kn = jnp.moveaxis(qn, 3, 2), jnp.moveaxis(kn, 3, 2)  # [B, Hkv, N, R|Tk, Dg]
+    raw = _matmul_f32(qn, kn, (4, 4), batch=3)  # [B, Hkv, N, R, Tk]
+    scale = jnp.moveaxis(k_scale, 3, 2)[:, :, :, None, :]  # [B, Hkv, N, 1, Tk]
+    return jnp.sum(raw * scale, axis=2)  # [B, Hkv, R, Tk]
 
 
 def _values(weights: jax.Array, block: KeyBlock, out_dtype) -> jax.Array:
-    """weights [B, Hkv, G, S, Tk] f32 -> [B, S, Hkv, G, Dh] float32."""
+    """weights [B, Hkv, R, Tk] f32 -> [B, Hkv, R, Dh] float32."""
     if block.v_scale is None:
-        v = block.v if block.heads_major else jnp.swapaxes(block.v, 1, 2)  # [B, Hkv, Tk, Dh]
-        probs = weights.astype(block.v.dtype)  # [B, Hkv, G, S, Tk]
-        return _einsum_f32("bhgst,bhtd->bshgd", probs, v)  # [B, S, Hkv, G, Dh]
-    batch, tk, kv_heads, head_dim = block.v.shape
+        return _matmul_f32(weights.astype(block.v.dtype), block.v, (3, 2), batch=2)
+    batch, kv_heads, tk, head_dim = block.v.shape
     groups = block.v_scale.shape[-1]
-    codes = block.v.astype(out_dtype)  # [B, Tk, Hkv, Dh]
-    v_scale = jnp.transpose(block.v_scale, (0, 2, 3, 1)).astype(jnp.float32)  # [B, Hkv, N, Tk]
+    codes = block.v.astype(out_dtype)  # [B, Hkv, Tk, Dh]
+    v_scale = block.v_scale.astype(jnp.float32)  # [B, Hkv, Tk, N]
     if groups == 1:
-        scaled = (weights * v_scale[:, :, None, 0, None, :]).astype(out_dtype)  # [B,Hkv,G,S,Tk]
-        return _einsum_f32("bhgst,bthd->bshgd", scaled, codes)  # [B, S, Hkv, G, Dh]
-    scaled = (weights[:, :, :, None] * v_scale[:, :, None, :, None, :]
-              ).astype(out_dtype)  # [B, Hkv, G, N, S, Tk]
-    vn = codes.reshape(batch, tk, kv_heads, groups, head_dim // groups)  # [B, Tk, Hkv, N, Dg]
-    out = _einsum_f32("bhgnst,bthnd->bshgnd", scaled, vn)  # [B, S, Hkv, G, N, Dg]
-    return out.reshape(out.shape[:4] + (head_dim,))  # [B, S, Hkv, G, Dh]
+        scaled = (weights * v_scale[:, :, None, :, 0]).astype(out_dtype)  # [B, Hkv, R, Tk]
+        return _matmul_f32(scaled, codes, (3, 2), batch=2)  # [B, Hkv, R, Dh]
+    scale = jnp.moveaxis(v_scale, 3, 2)[:, :, :, None, :]  # [B, Hkv, N, 1, Tk]
+    scaled = (weights[:, :, None] * scale).astype(out_dtype)  # [B, Hkv, N, R, Tk]
+    vn = jnp.moveaxis(codes.reshape(batch, kv_heads, tk, groups, head_dim // groups), 3, 2)
+    out = _matmul_f32(scaled, vn, (4, 3), batch=3)  # [B, Hkv, N, R, Dg]
+    out = jnp.moveaxis(out, 2, 3)  # [B, Hkv, R, N, Dg]
+    return out.reshape(out.shape[:3] + (head_dim,))  # [B, Hkv, R, Dh]
 
 
 def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBlock], *,
@@ -146,19 +156,25 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     num_kv_heads = blocks[0].num_kv_heads
     group = num_heads // num_kv_heads
     q_grouped = q.reshape(batch, seq, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, Dh]
+    q_rows = jnp.transpose(q_grouped, (0, 2, 3, 1, 4)).reshape(
+        batch, num_kv_heads, group * seq, head_dim)  # [B, Hkv, G*S, Dh]
     parts = []
     for block in blocks:
-        scores = _scores(q_grouped, block) * scale  # [B, Hkv, G, S, Tk]
+        scores = _scores(q_rows, block) * scale  # [B, Hkv, G*S, Tk]
         visible = _visible(block, q_positions, window)  # [B, S, Tk]
-        parts.append(jnp.where(visible[:, None, None], scores, -jnp.inf))
-    scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)  # [B,Hkv,G,S,ΣT]
-    weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, G, S, ΣTk]
+        visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
+        visible = visible.reshape(batch, 1, group * seq, -1)  # [B, 1, G*S, Tk]
+        parts.append(jnp.where(visible, scores, -jnp.inf))
+    scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)  # [B,Hkv,R,ΣTk]
+    weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, G*S, ΣTk]
     out = None
     start = 0
     for block in blocks:
         size = block.num_keys
         part = weights if len(blocks) == 1 else weights[..., start:start + size]
-        contribution = _values(part, block, q.dtype)  # [B, S, Hkv, G, Dh]
+        contribution = _values(part, block, q.dtype)  # [B, Hkv, G*S, Dh]
         out = contribution if out is None else out + contribution
         start += size
-    return out.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)
+    out = out.reshape(batch, num_kv_heads, group, seq, head_dim)  # [B, Hkv, G, S, Dh]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, num_heads, head_dim
+                                                       ).astype(q.dtype)

@@ -1,11 +1,11 @@
 """Quantized KV cache: int8 (or packed 4-bit) codes with per-token, per-head scales.
 
-    kq, vq      int8  [L, B, T, Hkv, Dh]       (nbits=8)
-                uint8 [L, B, T, Hkv, Dh/2]     (nbits=4: two signed 4-bit codes a byte)
-    k_scale,    [L, B, T, Hkv, N]              N = Dh / q_group_size groups per head
+    kq, vq      int8  [L, B, Hkv, T, Dh]       (nbits=8; heads-major like the dense cache)
+                uint8 [L, B, Hkv, T, Dh/2]     (nbits=4: two signed 4-bit codes a byte)
+    k_scale,    [L, B, Hkv, T, N]              N = Dh / q_group_size groups per head
     v_scale                                    (N = 1: one scale per token and head), in the
                                                cache dtype
-    rk, rv      [L, B, R+slack, Hkv, Dh]       full-precision ring of the most recent tokens
+    rk, rv      [L, B, Hkv, R+slack, Dh]       full-precision ring of the most recent tokens
     rpos        int32 [L, B, R+slack]          (residual_length = R > 0 only, else None)
     length      int32 [B]
 
@@ -27,7 +27,7 @@ Bytes per token and head: Dh (int8) + N * itemsize scales. For Dh = 64, N = 1: 0
 Example:
     >>> c = QuantizedKVCache.init(num_layers=1, batch=1, max_len=8, num_kv_heads=1, head_dim=4)
     >>> c.kq.dtype, c.k_scale.shape
-    (dtype('int8'), (1, 1, 8, 1, 1))
+    (dtype('int8'), (1, 1, 1, 8, 1))
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback
-from jaxgen.cache_attention import KeyBlock, attend_blocks
+from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback, heads_major_index
+from jaxgen.cache_attention import KeyBlock, attend_blocks, heads_major
 from jaxgen.cache_window import ring_write
 
 QMAX = {8: 127, 4: 7}
@@ -87,11 +87,11 @@ def dequantize(codes: jax.Array, scale: jax.Array, nbits: int) -> jax.Array:
 class QuantizedKVCache:
     """int8 / 4-bit KV cache (cache_implementation="quantized"). A PyTree."""
 
-    kq: jax.Array  # int8 [L, B, T, Hkv, Dh] | uint8 [L, B, T, Hkv, Dh/2]
+    kq: jax.Array  # int8 [L, B, Hkv, T, Dh] | uint8 [L, B, Hkv, T, Dh/2]
     vq: jax.Array
-    k_scale: jax.Array  # [L, B, T, Hkv, N]
+    k_scale: jax.Array  # [L, B, Hkv, T, N]
     v_scale: jax.Array
-    rk: jax.Array | None  # [L, B, S, Hkv, Dh] residual ring (None when residual_length == 0)
+    rk: jax.Array | None  # [L, B, Hkv, S, Dh] residual ring (None when residual_length == 0)
     rv: jax.Array | None
     rpos: jax.Array | None  # int32 [L, B, S]
     length: jax.Array  # int32 [B]
@@ -110,14 +110,14 @@ class QuantizedKVCache:
         if head_dim % group_size or (nbits == 4 and head_dim % 2):
             raise ValueError(f"q_group_size={group_size} must divide head_dim={head_dim} "
                              f"(and head_dim must be even for nbits=4)")
-        lead = (num_layers, batch, max_len, num_kv_heads)
+        lead = (num_layers, batch, num_kv_heads, max_len)
         code_dim = head_dim if nbits == 8 else head_dim // 2
         code_dtype = jnp.int8 if nbits == 8 else jnp.uint8
         groups = head_dim // group_size
         rk = rv = rpos = None
         if residual_length > 0:
             slots = min(int(max_len), int(residual_length) + int(rollback_slack))
-            ring = (num_layers, batch, slots, num_kv_heads, head_dim)
+            ring = (num_layers, batch, num_kv_heads, slots, head_dim)
             rk, rv = jnp.zeros(ring, dtype), jnp.zeros(ring, dtype)
             rpos = jnp.full((num_layers, batch, slots), -1, jnp.int32)
         return cls(kq=jnp.zeros(lead + (code_dim,), code_dtype),
@@ -130,7 +130,7 @@ class QuantizedKVCache:
     # ------------------------------------------------------------------ shapes
     @property
     def max_len(self) -> int:
-        return self.kq.shape[2]
+        return self.kq.shape[3]
 
     @property
     def batch(self) -> int:
@@ -151,12 +151,9 @@ class QuantizedKVCache:
     # ------------------------------------------------------------------ writes
     def _write_codes(self, layer, k_new, v_new, positions) -> "QuantizedKVCache":
         groups = self.k_scale.shape[-1]
-        kq, ks = quantize(k_new, self.nbits, groups, self.dtype)  # [B, S, Hkv, *]
-        vq, vs = quantize(v_new, self.nbits, groups, self.dtype)
-        batch, seq = positions.shape
-        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))  # [B, S]
-        layers = jnp.full((batch, seq), layer, jnp.int32)  # [B, S]
-        at = (layers, rows, positions)
+        kq, ks = quantize(heads_major(k_new), self.nbits, groups, self.dtype)  # [B, Hkv, S, *]
+        vq, vs = quantize(heads_major(v_new), self.nbits, groups, self.dtype)
+        at = heads_major_index(positions, self.kq.shape[2], layer)  # 4 x [B, Hkv, S]
         return dataclasses.replace(
             self, kq=self.kq.at[at].set(kq, mode="drop"), vq=self.vq.at[at].set(vq, mode="drop"),
             k_scale=self.k_scale.at[at].set(ks, mode="drop"),
@@ -175,7 +172,7 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ reads
     def _codes_block(self, layer, bypass=None) -> KeyBlock:
-        kq, vq = self.kq[layer], self.vq[layer]  # [B, T, Hkv, *]
+        kq, vq = self.kq[layer], self.vq[layer]  # [B, Hkv, T, *]
         if self.nbits == 4:
             kq, vq = unpack4(kq), unpack4(vq)  # codes only; never multiplied by the scales
         return KeyBlock(k=kq, v=vq, positions=jnp.arange(self.max_len, dtype=jnp.int32),
@@ -215,7 +212,8 @@ class QuantizedKVCache:
         blocks = [cache._codes_block(layer, bypass=~(in_chunk | in_old_ring)),
                   KeyBlock(k=cache.rk[layer], v=cache.rv[layer], positions=rpos,
                            valid=rpos < start, max_age=cache.residual_length),
-                  KeyBlock(k=k_new, v=v_new, positions=positions, max_age=cache.residual_length)]
+                  KeyBlock(k=heads_major(k_new), v=heads_major(v_new), positions=positions,
+                           max_age=cache.residual_length)]
         out = attend_blocks(q, positions, blocks, scale=scale, window=window)
         return out, cache._write_ring(layer, k_new, v_new, positions)
 
@@ -237,10 +235,10 @@ class QuantizedKVCache:
     def resize(self, max_len: int) -> "QuantizedKVCache":
         """A copy with T = max_len (the codes and scales grow with zeros, or are cropped)."""
         def fit(a):
-            if max_len <= a.shape[2]:
-                return a[:, :, :max_len]
+            if max_len <= a.shape[3]:
+                return a[:, :, :, :max_len]
             widths = [(0, 0)] * a.ndim
-            widths[2] = (0, max_len - a.shape[2])
+            widths[3] = (0, max_len - a.shape[3])
             return jnp.pad(a, widths)
         return dataclasses.replace(self, kq=fit(self.kq), vq=fit(self.vq),
                                    k_scale=fit(self.k_scale), v_scale=fit(self.v_scale))

@@ -98,8 +98,7 @@ class OffloadedKVCache(KVCache):
 
     def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None):
         k_layer, v_layer = self._layer_in(layer)
-        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window,
-                            heads_major=True)
+        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window)
 
     def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
                       window: int | None = None):
@@ -108,6 +107,5 @@ class OffloadedKVCache(KVCache):
             return super().update_attend(layer, q, k_new, v_new, positions, scale=scale,
                                          window=window)
         k_layer, v_layer = self._write(*self._layer_in(layer), k_new, v_new, positions)
-        out = attend_dense(q, k_layer, v_layer, positions, scale=scale, window=window,
-                           heads_major=True)
+        out = attend_dense(q, k_layer, v_layer, positions, scale=scale, window=window)
         return out, self._layer_out(layer, k_layer, v_layer)

@@ -4,7 +4,7 @@ A model with `sliding_window = W` lets a query at position p see keys p-W < j <=
 ring keeps S = min(max_len, W + rollback_slack) slots per row and layer; position j lives in
 slot j % S, and `pos[L, B, S]` records which position each slot holds (-1: empty):
 
-    k, v    [L, B, S, Hkv, Dh]
+    k, v    [L, B, Hkv, S, Dh]   (heads-major, like the dense cache)
     pos     int32 [L, B, S]
     length  int32 [B]
     lost    bool  [B]      sticky: a rollback went past what the ring still holds
@@ -31,7 +31,7 @@ Example:
     >>> c = SlidingWindowCache.init(num_layers=1, batch=1, max_len=100, num_kv_heads=1,
     ...                             head_dim=4, window=4, rollback_slack=2)
     >>> c.k.shape                     # 4 + 2 slots, not 100
-    (1, 1, 6, 1, 4)
+    (1, 1, 1, 6, 4)
 """
 from __future__ import annotations
 
@@ -42,27 +42,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback
-from jaxgen.cache_attention import KeyBlock, attend_blocks
+from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback, heads_major_index
+from jaxgen.cache_attention import KeyBlock, attend_blocks, heads_major
 
 
 # ------------------------------------------------------------------------- ring helpers
 def ring_write(k_buf: jax.Array, v_buf: jax.Array, pos_buf: jax.Array, layer,
                k_new: jax.Array, v_new: jax.Array, positions: jax.Array):
-    """Writes a chunk into ring buffers k/v [L, B, S, Hkv, Dh], pos [L, B, S].
+    """Writes a chunk into ring buffers k/v [L, B, Hkv, S, Dh], pos [L, B, S].
 
     k_new, v_new: [B, n, Hkv, Dh]; positions int32 [B, n] (contiguous per row). Only the
     chunk's last S tokens are written (earlier ones would collide with them).
     """
-    slots = k_buf.shape[2]
+    slots = k_buf.shape[3]
     if positions.shape[1] > slots:
         k_new, v_new, positions = k_new[:, -slots:], v_new[:, -slots:], positions[:, -slots:]
     batch, seq = positions.shape
+    slot = positions % slots  # [B, n]
+    index = heads_major_index(slot, k_buf.shape[2], layer)  # 4 x [B, Hkv, n]
+    k_buf = k_buf.at[index].set(heads_major(k_new).astype(k_buf.dtype))
+    v_buf = v_buf.at[index].set(heads_major(v_new).astype(v_buf.dtype))
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))  # [B, n]
     layers = jnp.full((batch, seq), layer, jnp.int32)  # [B, n]
-    slot = positions % slots  # [B, n]
-    k_buf = k_buf.at[layers, rows, slot].set(k_new.astype(k_buf.dtype))
-    v_buf = v_buf.at[layers, rows, slot].set(v_new.astype(v_buf.dtype))
     pos_buf = pos_buf.at[layers, rows, slot].set(positions.astype(jnp.int32))
     return k_buf, v_buf, pos_buf
 
@@ -96,8 +97,8 @@ def ring_max_rollback(pos: jax.Array, length: jax.Array, window: int) -> jax.Arr
 class SlidingWindowCache:
     """Ring-buffer cache for sliding-window attention. A PyTree; shapes never change."""
 
-    k: jax.Array  # [L, B, S, Hkv, Dh]
-    v: jax.Array  # [L, B, S, Hkv, Dh]
+    k: jax.Array  # [L, B, Hkv, S, Dh]
+    v: jax.Array  # [L, B, Hkv, S, Dh]
     pos: jax.Array  # int32 [L, B, S], -1 = empty
     length: jax.Array  # int32 [B]
     lost: jax.Array  # bool [B]
@@ -110,7 +111,7 @@ class SlidingWindowCache:
              head_dim: int, dtype=jnp.float32, window: int,
              rollback_slack: int = 0) -> "SlidingWindowCache":
         slots = min(int(max_len), int(window) + int(rollback_slack))
-        shape = (num_layers, batch, slots, num_kv_heads, head_dim)
+        shape = (num_layers, batch, num_kv_heads, slots, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    pos=jnp.full((num_layers, batch, slots), -1, jnp.int32),
                    length=jnp.zeros((batch,), jnp.int32), lost=jnp.zeros((batch,), bool),
@@ -119,7 +120,7 @@ class SlidingWindowCache:
     @property
     def max_len(self) -> int:
         """Slots per row (not a limit on positions)."""
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -150,7 +151,7 @@ class SlidingWindowCache:
         pos_layer = self.pos[layer]  # [B, S]
         old = KeyBlock(k=self.k[layer], v=self.v[layer], positions=pos_layer,
                        valid=pos_layer < positions[:, :1])
-        new = KeyBlock(k=k_new, v=v_new, positions=positions)
+        new = KeyBlock(k=heads_major(k_new), v=heads_major(v_new), positions=positions)
         out = attend_blocks(q, positions, [old, new], scale=scale, window=self._window(window))
         return out, self.update(layer, k_new, v_new, positions)
 

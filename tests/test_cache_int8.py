@@ -45,8 +45,8 @@ def test_scaled_attention_equals_attention_over_dequantized_keys(groups):
     """The kernel never dequantizes, but must equal dense attention on dequantized K/V."""
     kq_, kv_, kk = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(kq_, (2, 3, 4, 16))  # [B, S, H, Dh], GQA group 2
-    k = jax.random.normal(kk, (2, 10, 2, 16))
-    v = jax.random.normal(kv_, (2, 10, 2, 16))
+    k = jax.random.normal(kk, (2, 2, 10, 16))  # [B, Hkv, T, Dh]
+    v = jax.random.normal(kv_, (2, 2, 10, 16))
     kc, ks = quantize(k, 8, groups, jnp.float32)
     vc, vs = quantize(v, 8, groups, jnp.float32)
     positions = jnp.arange(10, dtype=jnp.int32)
