@@ -2,7 +2,10 @@
 
 One run measures, against jaxgen's own non-speculative greedy on the same prompts:
   * prompt lookup (prompt_lookup_num_tokens) on input-grounded chat prompts (quote, edit,
-    summarize, extract from a supplied passage of a few hundred tokens), batch 1 and batch 8;
+    summarize, extract from a supplied passage of a few hundred tokens), batch 1 and batch 8.
+    Batch 8 runs two batches: "mixed" (repeat, rewrite, quote and summarize, two passages)
+    and "quote/edit" (repeat, rewrite and quote, three passages). "decode only" leaves out
+    the prefill (timed separately with max_new_tokens=1), which both runs share;
   * the draft-model path with a small random draft (same vocabulary): acceptance, the
     draft-to-target cost ratio and the resulting speed, reported as they are;
   * transformers' assisted generation (prompt_lookup_num_tokens) and plain greedy on the same
@@ -10,7 +13,8 @@ One run measures, against jaxgen's own non-speculative greedy on the same prompt
 Greedy outputs of every jaxgen speculative run are checked against plain greedy.
 Timings exclude compilation (each program runs once to warm up, then is timed).
 
-    python benchmarks/bench_speculative.py [--new-tokens 96] [--lookup 10] [--skip-hf]
+    python benchmarks/bench_speculative.py [--new-tokens 96] [--lookup 10] [--lookup8 4]
+        [--schedule8 heuristic] [--skip-hf] [--skip-draft]
 
 Prints a markdown table.
 """
@@ -52,6 +56,16 @@ PASSAGES = [
     "covered pot at two hundred and fifty degrees for twenty minutes, then uncover it and bake "
     "for another twenty-five minutes until the crust is deep brown. Let the bread cool for at "
     "least an hour before slicing it.",
+    "The village of Alder Ford holds its market every Saturday in the square beside the old "
+    "stone bridge. Farmers bring eggs, cheese, honey and vegetables from the valley, and a baker "
+    "from the next town sells rye bread and apple cakes from the back of a green van. The market "
+    "opens at seven in the morning and closes at one in the afternoon. In winter the stalls move "
+    "into the church hall, which has room for only twelve of them, so the places are given out by "
+    "lottery in November. The parish council charges five pounds a stall and spends the money on "
+    "the flower beds around the square. Parking is free on market days in the field behind the "
+    "school, and a bus runs from the railway station every half hour. Dogs are welcome if they "
+    "are kept on a lead. The market has run without a break since 1952, except for three weeks "
+    "in the flood of 1968, when the bridge was closed and the square was under water.",
 ]
 TASKS = [
     "Repeat the following passage word for word, without any changes.\n\n{p}",
@@ -62,10 +76,11 @@ TASKS = [
 ]
 
 
-def chat_prompts(tokenizer) -> list[list[int]]:
+def chat_prompts(tokenizer, tasks=TASKS, passages=PASSAGES[:2]) -> list[list[int]]:
+    """One chat prompt per (task, passage), tasks outermost."""
     rows = []
-    for task in TASKS:
-        for passage in PASSAGES:
+    for task in tasks:
+        for passage in passages:
             messages = [{"role": "user", "content": task.format(p=passage)}]
             rows.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                            tokenize=True)))
@@ -163,30 +178,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
-    parser.add_argument("--lookup8", type=int, default=None,
-                        help="prompt_lookup_num_tokens at batch 8 (default: --lookup)")
+    parser.add_argument("--lookup8", type=int, default=4,
+                        help="prompt_lookup_num_tokens at batch 8")
+    parser.add_argument("--schedule8", default="heuristic",
+                        help="num_assistant_tokens_schedule for prompt lookup at batch 8")
     parser.add_argument("--draft-tokens", type=int, default=4, help="num_assistant_tokens")
     parser.add_argument("--batch1-prompts", type=int, default=4)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-draft", action="store_true")
     args = parser.parse_args()
 
-    model, params, tokenizer = jaxgen.models.load("smollm2-135m-instruct")
+    model, hf_params, tokenizer = jaxgen.models.load("smollm2-135m-instruct")
+    params = jaxgen.models.unstack_layers(model, hf_params)  # jaxgen's fast layout
     prompts = chat_prompts(tokenizer)
     lengths = [len(p) for p in prompts]
     print(f"devices: {jax.devices()}; prompts: {len(prompts)}, {min(lengths)}-{max(lengths)} "
           f"tokens; {args.new_tokens} new tokens per row")
     cfg = default_config(model, None, max_new_tokens=args.new_tokens)
     lookup_cfg = cfg.replace(prompt_lookup_num_tokens=args.lookup)
-    rows = []  # (setting, batch, tokens/s, speed-up, accepted/round, tokens/round, note)
+    rows = []  # (setting, batch, tokens/s, speed-up, decode speed-up, accepted/round,
+    #             tokens/round, note)
 
-    def speculative_row(name, batch, base_tps, new, seconds, out, same, note=""):
+    def speculative_row(name, batch, base_tps, new, seconds, out, same, note="", decode=""):
         spec = out.speculative
         rounds = np.asarray(spec.rounds).sum()
         acc = np.asarray(spec.accepted).sum() / max(rounds, 1)
         per_round = (np.asarray(spec.accepted).sum() + rounds) / max(rounds, 1)
         pos = np.asarray(spec.position_acceptance)
-        rows.append((name, batch, new / seconds, (new / seconds) / base_tps, f"{acc:.2f}",
+        rows.append((name, batch, new / seconds, (new / seconds) / base_tps, decode, f"{acc:.2f}",
                      f"{per_round:.2f}", f"{'=' if same else '!='} greedy; "
                      f"pos acc {[round(float(x), 2) for x in pos[:4]]}; "
                      f"{int(spec.target_forwards)} target fwd {note}"))
@@ -200,7 +219,7 @@ def main() -> None:
         base_out += seqs
         base_new, base_s = base_new + new, base_s + seconds
     base_tps1 = base_new / base_s
-    rows.append(("jaxgen greedy", 1, base_tps1, 1.0, "", "", ""))
+    rows.append(("jaxgen greedy", 1, base_tps1, 1.0, "", "", "", ""))
     lk_new = lk_s = 0
     same = True
     agg = None
@@ -212,16 +231,25 @@ def main() -> None:
     speculative_row(f"jaxgen prompt lookup (K={args.lookup})", 1, base_tps1, lk_new, lk_s, agg,
                     same)
 
-    # --- batch 8 --------------------------------------------------------------------------
-    batch_prompts = prompts[:8]
-    ref8, _, s8, n8 = run_jaxgen(model, params, batch_prompts, cfg)
-    base_tps8 = n8 / s8
-    rows.append(("jaxgen greedy", 8, base_tps8, 1.0, "", "", ""))
-    k8 = args.lookup8 or args.lookup
-    seqs, out, seconds, new = run_jaxgen(model, params, batch_prompts,
-                                         cfg.replace(prompt_lookup_num_tokens=k8))
-    speculative_row(f"jaxgen prompt lookup (K={k8})", 8, base_tps8, new, seconds, out,
-                    seqs == ref8)
+    # --- batch 8: a mixed batch (every task, summaries included) and an edit/quote batch ----
+    k8 = args.lookup8
+    lookup8 = cfg.replace(prompt_lookup_num_tokens=k8,
+                          num_assistant_tokens_schedule=args.schedule8)
+    workloads = {"mixed": prompts[:8],
+                 "quote/edit": chat_prompts(tokenizer, TASKS[:3], PASSAGES)[:8]}
+    for label, batch_prompts in workloads.items():
+        _, _, prefill_s, _ = run_jaxgen(model, params, batch_prompts,
+                                        cfg.replace(max_new_tokens=1))
+        ref8, _, s8, n8 = run_jaxgen(model, params, batch_prompts, cfg)
+        base_tps8 = n8 / s8
+        rows.append((f"jaxgen greedy, {label}", 8, base_tps8, 1.0, "1.00x", "", "",
+                     f"prefill {prefill_s:.2f}s of {s8:.2f}s"))
+        seqs, out, seconds, new = run_jaxgen(model, params, batch_prompts, lookup8)
+        decode = (s8 - prefill_s) / max(seconds - prefill_s, 1e-9)
+        per_row = np.round(np.asarray(out.speculative.tokens_per_round), 1).tolist()
+        speculative_row(f"jaxgen prompt lookup (K={k8}, {args.schedule8}), {label}", 8,
+                        base_tps8, new, seconds, out, seqs == ref8,
+                        f"; tokens/round per row {per_row}", f"{decode:.2f}x")
 
     # --- draft model (random, 2 layers) ---------------------------------------------------
     if not args.skip_draft:
@@ -250,22 +278,24 @@ def main() -> None:
 
     # --- transformers ---------------------------------------------------------------------
     if not args.skip_hf:
-        hf = hf_model_from(model, params)
+        hf = hf_model_from(model, hf_params)
         outs, seconds, new = run_hf(hf, singles, args.new_tokens)
         hf_tps = new / seconds
-        rows.append(("transformers greedy", 1, hf_tps, hf_tps / base_tps1, "", "",
+        rows.append(("transformers greedy", 1, hf_tps, hf_tps / base_tps1, "", "", "",
                      f"{sum(o == r for o, r in zip(outs, base_out))}/{len(singles)} = jaxgen"))
         outs, seconds, new = run_hf(hf, singles, args.new_tokens,
                                     prompt_lookup_num_tokens=args.lookup)
         rows.append((f"transformers prompt lookup (K={args.lookup})", 1, new / seconds,
-                     (new / seconds) / base_tps1, "", "",
+                     (new / seconds) / base_tps1, "", "", "",
                      f"{(new / seconds) / hf_tps:.2f}x transformers greedy"))
 
     print()
-    print("| setting | batch | tokens/s | vs jaxgen greedy | accepted/round | tokens/round | notes |")
-    print("|---|---|---|---|---|---|---|")
-    for name, batch, tps, speed, acc, per, note in rows:
-        print(f"| {name} | {batch} | {tps:.1f} | {speed:.2f}x | {acc} | {per} | {note} |")
+    print("| setting | batch | tokens/s | vs jaxgen greedy | decode only | accepted/round | "
+          "tokens/round | notes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, batch, tps, speed, decode, acc, per, note in rows:
+        print(f"| {name} | {batch} | {tps:.1f} | {speed:.2f}x | {decode} | {acc} | {per} | "
+              f"{note} |")
 
 
 def _merge(a, b):

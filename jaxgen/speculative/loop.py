@@ -14,9 +14,18 @@ holds positions < L - 1, the last token is fed by the next forward):
     L'       = L + m;  target cache length := L' - 1;  draft cache length := L' - 2
 
 Rows that are done keep their tokens and lengths (their lanes still compute: static shapes);
-every live row advances by its own m >= 1, so nothing waits for the slowest row. When no live
-row has a draft (prompt lookup found nothing) the verify forward runs one position instead
-of K + 1 (`lax.cond`).
+every live row advances by its own m >= 1, so nothing waits for the slowest row.
+
+Verify width. A round's drafts are proposed at the end of the round before it (they only
+depend on the state it leaves), so the next round knows the longest live draft k_max before
+it runs. Each draft bucket k in `draft_buckets(K)` = {0, 1, 3, 7, ..., K} has its own inner
+`lax.while_loop` whose verify forward is k + 1 wide; the outer loop visits the buckets in turn
+and a round runs in the smallest bucket >= k_max. When prompt lookup finds nothing the round
+is a one-position forward; when the schedule shrinks every row's draft the forward shrinks
+with it. Nested while loops keep the KV cache in place, where a `lax.cond` / `lax.switch`
+over forwards of different widths makes XLA copy the whole cache every round (35 ms for
+SmolLM2 at batch 8 here). The width never cuts a row's drafts, so a row's output does not
+depend on the other rows of the batch.
 
 Sampling keys: the round key of row b is fold_in(row_key[b], L) (a row's L is different every
 round), split by tag into draft draws (0), acceptance uniforms (1) and the fix draw (2): a row's
@@ -107,38 +116,42 @@ class SpecCarry:
     draft_state: Any  # the drafter's state: the draft KV cache, or None (prompt lookup)
     k_sched: jax.Array  # int32 [B] the schedule's current draft length per row
     stats: SpeculativeStats
+    pending: Any  # Proposal: the drafts the next round verifies (k_row already capped)
+    bucket: jax.Array  # int32 []: index in draft_buckets(K) of the next round's verify width
 
 
-def _verify_forward(params, state: DecodeState, work: jax.Array, drafts: jax.Array,
-                    k_row: jax.Array, cfg, ext: Extensions):
-    """Target forward over [last token, drafts] and the processed scores at every position.
+def draft_buckets(K: int) -> tuple[int, ...]:
+    """The static draft counts a verify forward is compiled for: 0, 2^i - 1 < K, and K.
 
-    Returns (p_scores [B, K+1, V], raw [B, K+1, V], cache). When no row has a draft, runs the
-    last token alone and repeats its scores (positions >= 1 are never read then).
+    >>> draft_buckets(10)
+    (0, 1, 3, 7, 10)
     """
+    sizes, size = [0], 1
+    while size < K:
+        sizes.append(size)
+        size = 2 * size + 1
+    return tuple(sizes + [K]) if K > 0 else (0,)
+
+
+def _bucket_index(k_row: jax.Array, K: int) -> jax.Array:
+    """int32 []: the smallest bucket that holds every row's drafts (k_row int32 [B])."""
+    sizes = jnp.asarray(draft_buckets(K), jnp.int32)  # [nb]
+    return jnp.sum(sizes < jnp.max(k_row)).astype(jnp.int32)
+
+
+def _verify_forward(params, state: DecodeState, work: jax.Array, drafts: jax.Array, cfg,
+                    ext: Extensions):
+    """Target forward over [last token, drafts] (drafts [B, k], k static) and the processed
+    scores at every position. Returns (p_scores [B, k+1, V], raw [B, k+1, V], cache)."""
     model = state.model
-    batch, K = drafts.shape
     last = state.length - 1  # [B]
     last_token = jnp.take_along_axis(state.tokens, last[:, None], axis=1)  # [B, 1]
-
-    def wide(_):
-        tokens = jnp.concatenate([last_token, drafts], axis=1)  # [B, K+1]
-        positions = last[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]  # [B, K+1]
-        out = model(params, tokens, positions, state.cache)
-        raw = out.logits.astype(jnp.float32)  # [B, K+1, V]
-        scores = process_positions(cfg, raw, work, state.length, state, ext.logits_processor)
-        return scores, raw, out.cache
-
-    def narrow(_):
-        out = model(params, last_token, last[:, None], state.cache)
-        raw = out.logits.astype(jnp.float32)  # [B, 1, V]
-        scores = process_positions(cfg, raw, work, state.length, state, ext.logits_processor)
-        repeat = lambda a: jnp.broadcast_to(a, (batch, K + 1, a.shape[-1]))  # noqa: E731
-        return repeat(scores), repeat(raw), out.cache
-
-    if K == 0:
-        return narrow(None)
-    return jax.lax.cond(jnp.any(k_row > 0), wide, narrow, None)
+    tokens = jnp.concatenate([last_token, drafts], axis=1)  # [B, k+1]
+    positions = last[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, k+1]
+    out = model(params, tokens, positions, state.cache)
+    raw = out.logits.astype(jnp.float32)  # [B, k+1, V]
+    scores = process_positions(cfg, raw, work, state.length, state, ext.logits_processor)
+    return scores, raw, out.cache
 
 
 def _stop_flags(cfg, state: DecodeState, tokens: jax.Array, out: jax.Array,
@@ -179,50 +192,71 @@ def _write_record(record: StepRecord, state: DecodeState, emit: jax.Array, out: 
                                scores=put(record.scores, scores), logits=put(record.logits, raw))
 
 
-def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry,
-                      record: StepRecord, cfg: GenerationConfig, drafter,
-                      ext: Extensions = NO_EXTENSIONS):
-    """One draft -> verify -> accept round for every row. Returns (state, carry, record)."""
+def _round_keys(state: DecodeState):
+    """Per-row round keys fold_in(row_key, L), split by tag: draft draws (0), acceptance
+    uniforms (1), the fix draw (2). Returns tag -> keys [B]."""
+    round_keys = jax.vmap(jax.random.fold_in)(state.key, state.length)  # [B]
+    return lambda t: jax.vmap(lambda k: jax.random.fold_in(k, t))(round_keys)
+
+
+def propose_next(draft_params, state: DecodeState, carry: SpecCarry, cfg: GenerationConfig,
+                 drafter, ext: Extensions = NO_EXTENSIONS) -> SpecCarry:
+    """Drafts for the round that starts from `state`; stored as `carry.pending`."""
     K = drafter.num_tokens
-    batch, width = state.tokens.shape
+    width = state.tokens.shape[1]
     live = ~state.done  # [B]
-    length = state.length  # [B]
     limit = jnp.minimum(state.prompt_len + state.max_new, width)  # [B] row's max length
-    k_cap = jnp.clip(limit - length - 1, 0, K)  # [B]
+    k_cap = jnp.clip(limit - state.length - 1, 0, K)  # [B] so n + 1 never passes the budget
     k_want = jnp.where(live, jnp.minimum(carry.k_sched, k_cap), 0)  # [B]
-    round_keys = jax.vmap(jax.random.fold_in)(state.key, length)  # [B]
-    tag = lambda t: jax.vmap(lambda k: jax.random.fold_in(k, t))(round_keys)  # noqa: E731
     weight = cfg.assistant_ensemble_weight
     threshold = cfg.assistant_confidence_threshold  # None or <= 0: off (HF)
-
     proposal, draft_state = drafter.propose(
-        draft_params, carry.draft_state, cfg, ext, state, k_want, tag(0),
+        draft_params, carry.draft_state, cfg, ext, state, k_want, _round_keys(state)(0),
         do_sample=cfg.do_sample, keep_q=cfg.do_sample or weight is not None, threshold=threshold)
     k_row = jnp.where(live, jnp.minimum(proposal.k_row, k_want), 0)  # [B]
-    drafts = proposal.drafts  # [B, K]
+    proposal = dataclasses.replace(proposal, k_row=k_row)
+    return dataclasses.replace(carry, draft_state=draft_state, pending=proposal,
+                               bucket=_bucket_index(k_row, K))
 
-    p_scores, raw, cache = _verify_forward(params, state, proposal.tokens, drafts, k_row, cfg,
-                                           ext)
+
+def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry,
+                      record: StepRecord, cfg: GenerationConfig, drafter,
+                      ext: Extensions = NO_EXTENSIONS, width: int | None = None):
+    """Verifies `carry.pending` (every row's k_row <= width, static; default K), accepts,
+    emits, rolls back, then proposes the next round's drafts. Returns (state, carry, record)."""
+    K = drafter.num_tokens
+    k = K if width is None else int(width)
+    batch, buffer = state.tokens.shape
+    live = ~state.done  # [B]
+    length = state.length  # [B]
+    tag = _round_keys(state)
+    weight = cfg.assistant_ensemble_weight
+    proposal = carry.pending
+    k_row = proposal.k_row  # [B] <= k
+    drafts = proposal.drafts[:, :k]  # [B, k]
+    q_scores = None if proposal.q_scores is None else proposal.q_scores[:, :k]  # [B, k, V]
+
+    p_scores, raw, cache = _verify_forward(params, state, proposal.tokens, drafts, cfg, ext)
     if cfg.do_sample:
-        uniforms = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(tag(1))  # [B, K]
-        n, fix = verify.accept_sample(drafts, k_row, p_scores, proposal.q_scores, uniforms,
-                                      tag(2), weight)
+        uniforms = jax.vmap(lambda key: jax.random.uniform(key, (K,)))(tag(1))[:, :k]  # [B, k]
+        n, fix = verify.accept_sample(drafts, k_row, p_scores, q_scores, uniforms, tag(2),
+                                      weight)
     else:
-        n, fix = verify.accept_greedy(drafts, k_row, p_scores, proposal.q_scores, weight)
-    out = verify.assemble(drafts, n, fix, state.pad_token_id)  # [B, K+1]
+        n, fix = verify.accept_greedy(drafts, k_row, p_scores, q_scores, weight)
+    out = verify.assemble(drafts, n, fix, state.pad_token_id)  # [B, k+1]
 
     # Emit out[:, :n+1] but stop after the first position where a stop condition fires.
     rows = jnp.arange(batch)[:, None]
-    index = length[:, None] + jnp.arange(K + 1)[None, :]  # [B, K+1]
-    candidate = jnp.arange(K + 1)[None, :] <= n[:, None]  # [B, K+1]
-    written = state.tokens.at[rows, jnp.where(candidate & live[:, None], index, width)].set(
+    index = length[:, None] + jnp.arange(k + 1)[None, :]  # [B, k+1]
+    candidate = jnp.arange(k + 1)[None, :] <= n[:, None]  # [B, k+1]
+    written = state.tokens.at[rows, jnp.where(candidate & live[:, None], index, buffer)].set(
         out, mode="drop")  # [B, T]
     eos, string, custom, full = _stop_flags(cfg, state, written, out, p_scores, ext)
-    fires = (eos | string | custom | full) & candidate  # [B, K+1]
-    first = jnp.where(jnp.any(fires, 1), jnp.argmax(fires, 1), K + 1)  # [B]
+    fires = (eos | string | custom | full) & candidate  # [B, k+1]
+    first = jnp.where(jnp.any(fires, 1), jnp.argmax(fires, 1), k + 1)  # [B]
     emitted = jnp.where(live, jnp.minimum(n, first) + 1, 0).astype(jnp.int32)  # [B] m
-    emit = jnp.arange(K + 1)[None, :] < emitted[:, None]  # [B, K+1]
-    tokens = state.tokens.at[rows, jnp.where(emit, index, width)].set(out, mode="drop")
+    emit = jnp.arange(k + 1)[None, :] < emitted[:, None]  # [B, k+1]
+    tokens = state.tokens.at[rows, jnp.where(emit, index, buffer)].set(out, mode="drop")
     new_length = length + emitted  # [B]
     at_last = lambda a: jnp.take_along_axis(a, jnp.maximum(emitted - 1, 0)[:, None],  # noqa
                                             axis=1)[:, 0] & live
@@ -234,31 +268,34 @@ def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry
 
     # Roll both caches back by length.
     cache = cache.rollback(jnp.where(live, cache.length - (new_length - 1), 0))
-    draft_state = drafter.rollback(draft_state, new_length)
+    draft_state = drafter.rollback(carry.draft_state, new_length)
 
     # Statistics and the draft-length schedule (HF: +2 when every draft passed, else -1).
     position = jnp.arange(K)[None, :]
     live_i = live.astype(jnp.int32)
+    accepted = jnp.where(live, n, 0)  # [B]
     stats = carry.stats
     stats = dataclasses.replace(
         stats, rounds=stats.rounds + live_i, drafted=stats.drafted + k_row,
-        accepted=stats.accepted + jnp.where(live, n, 0),
+        accepted=stats.accepted + accepted,
         position_tried=stats.position_tried + (position < k_row[:, None]).astype(jnp.int32),
-        position_accepted=stats.position_accepted + (position < jnp.where(live, n, 0)[:, None]
+        position_accepted=stats.position_accepted + (position < accepted[:, None]
                                                      ).astype(jnp.int32),
         target_forwards=stats.target_forwards + 1,
         draft_forwards=stats.draft_forwards + proposal.forwards)
     k_sched = carry.k_sched
-    schedule = cfg.num_assistant_tokens_schedule if drafter.scheduled else "constant"
+    schedule = cfg.num_assistant_tokens_schedule
     if schedule in ("heuristic", "heuristic_transient"):
         grown = jnp.where(emitted - 1 >= k_row, k_sched + 2, jnp.maximum(k_sched - 1, 1))
-        # A round in which the budget left no room for a draft says nothing about the draft.
-        k_sched = jnp.where(live & (k_want > 0), jnp.clip(grown, 1, K), k_sched)
-    if schedule == "heuristic":
+        # A round in which the budget left no room for a draft says nothing about the draft
+        # (nor does a prompt-lookup round that found no match).
+        k_sched = jnp.where(live & (k_row > 0), jnp.clip(grown, 1, K), k_sched)
+    if schedule == "heuristic" and drafter.scheduled:
         stats = dataclasses.replace(stats, num_assistant_tokens=k_sched)
     state = state.replace(tokens=tokens, length=new_length, done=done, stop_reason=reason,
                           cache=cache)
-    return state, SpecCarry(draft_state=draft_state, k_sched=k_sched, stats=stats), record
+    carry = dataclasses.replace(carry, draft_state=draft_state, k_sched=k_sched, stats=stats)
+    return state, propose_next(draft_params, state, carry, cfg, drafter, ext), record
 
 
 def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter,
@@ -280,30 +317,47 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
     stats = SpeculativeStats.zeros(batch, K, start)
     if draft_state is not None:
         stats = dataclasses.replace(stats, draft_forwards=jnp.int32(1))
-    return state, SpecCarry(draft_state=draft_state, k_sched=start, stats=stats), record
+    carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats, pending=None,
+                      bucket=jnp.int32(0))
+    return state, propose_next(draft_params, state, carry, cfg, drafter, ext), record
 
 
 def speculative_rounds(params, state: DecodeState, carry, record, cfg: GenerationConfig,
                        drafter, draft_params=None, ext: Extensions = NO_EXTENSIONS, *,
                        start=1, stop=None):
-    """Runs rounds start..stop-1 (fewer once every row is done) in one `lax.while_loop`.
+    """Runs rounds start..stop-1 (fewer once every row is done). Returns (next round index,
+    state, SpecCarry, StepRecord). The chunked driver calls it a few rounds per jit call;
+    `speculative_loop` once for the whole budget.
 
-    Returns (next round index, state, SpecCarry, StepRecord). The chunked driver calls it a
-    few rounds per jit call; `speculative_loop` once for the whole budget.
+    An outer `lax.while_loop` visits one inner while loop per draft bucket (module docs); a
+    round runs in the inner loop whose width is the smallest that holds its drafts.
     """
     steps = state.buffer_len - state.prompt_bucket
     stop = steps if stop is None else jnp.minimum(stop, steps)
 
-    def cond(loop):
+    def running(loop):
         i, st, _, _ = loop
         return (i < stop) & ~jnp.all(st.done)
 
-    def body(loop):
-        i, st, sc, rec = loop
-        st, sc, rec = speculative_round(params, draft_params, st, sc, rec, cfg, drafter, ext)
-        return i + 1, st, sc, rec
+    def inner(index, width):
+        def cond(loop):
+            return running(loop) & (loop[2].bucket == index)
 
-    return jax.lax.while_loop(cond, body, (jnp.asarray(start, jnp.int32), state, carry, record))
+        def body(loop):
+            i, st, sc, rec = loop
+            st, sc, rec = speculative_round(params, draft_params, st, sc, rec, cfg, drafter,
+                                            ext, width)
+            return i + 1, st, sc, rec
+        return cond, body
+
+    loops = [inner(index, width) for index, width in enumerate(draft_buckets(drafter.num_tokens))]
+
+    def outer(loop):
+        for cond, body in loops:
+            loop = jax.lax.while_loop(cond, body, loop)
+        return loop
+
+    return jax.lax.while_loop(running, outer, (jnp.asarray(start, jnp.int32), state, carry, record))
 
 
 def speculative_loop(params, state: DecodeState, cfg: GenerationConfig, drafter,
