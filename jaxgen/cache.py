@@ -28,9 +28,10 @@ Kinds (`cache_implementation`, Hugging Face's names; `cache_config` keys in pare
     "static"          dense [L, B, T, Hkv, Dh]                                  (none)
     "dynamic"         dense, starts at a small bucket and doubles between jitted chunks
                       (jaxgen.growing)                           (initial_length, chunk_size)
-    "quantized"       int8 (or 4-bit) codes + per-token, per-head(-group) scales, optional
-                      full-precision window of recent tokens (jaxgen.cache_int8)
-                      (nbits, q_group_size, residual_length, rollback_slack, backend)
+    "quantized"       int8 (or 4-bit) codes of Hadamard-rotated K/V + per-token, per-group
+                      scales, optional full-precision window of recent tokens
+                      (jaxgen.cache_int8) (nbits, q_group_size, residual_length,
+                      rollback_slack, rotate, backend)
     "sliding_window"  Mistral-style ring buffer of window + slack slots (jaxgen.cache_window)
                       (sliding_window, rollback_slack)
     "offloaded"       dense, kept in host memory ("pinned_host") and moved in per layer;
@@ -63,7 +64,7 @@ CACHE_CONFIG_KEYS: dict[str, dict[str, Any]] = {
     "static": {},
     "dynamic": {"initial_length": 256, "chunk_size": 64},
     "quantized": {"nbits": 8, "q_group_size": None, "residual_length": 0,
-                  "rollback_slack": 0, "backend": None},
+                  "rollback_slack": 0, "backend": None, "rotate": True},
     "sliding_window": {"sliding_window": None, "rollback_slack": 0},
     "offloaded": {"memory_kind": "pinned_host", "offload_on_cpu": False},
 }
@@ -117,6 +118,8 @@ def validate_cache_config(kind: str | None, cache_config: dict | None = None, *,
                                  f"divide head_dim={head_dim}")
         if out["nbits"] == 4 and head_dim is not None and head_dim % 2:
             raise ValueError(f"nbits=4 packs two codes a byte: head_dim={head_dim} must be even")
+        if not isinstance(out["rotate"], bool):
+            raise ValueError("cache_config['rotate'] must be True or False")
         if out["backend"] not in (None, "jaxgen"):
             raise ValueError(f"cache_config['backend']={out['backend']!r}: jaxgen has its own "
                              f"quantizer (allowed: 'jaxgen' or unset)")
@@ -152,9 +155,10 @@ def make_cache(kind: str | None = "static", *, num_layers: int, batch: int, max_
     if kind == "quantized":
         from jaxgen.cache_int8 import QuantizedKVCache
         return QuantizedKVCache.init(**shape, nbits=opts["nbits"],
-                                     group_size=opts["q_group_size"] or head_dim,
+                                     group_size=opts["q_group_size"],
                                      residual_length=opts["residual_length"],
-                                     rollback_slack=opts["rollback_slack"])
+                                     rollback_slack=opts["rollback_slack"],
+                                     rotate=opts["rotate"])
     if kind == "sliding_window":
         from jaxgen.cache_window import SlidingWindowCache
         window = opts["sliding_window"] or sliding_window

@@ -10,6 +10,10 @@ scaled by the key scales, and the attention weights by the value scales:
     score[j] = (q . kq[j]) * k_scale[j] * scale          (per group, summed over groups)
     out      = sum_j (w[j] * v_scale[j]) * vq[j]
 
+A quantized block may hold the codes of rotated keys / values, k R and v R (R orthogonal,
+`rotation`; the int8 cache uses a Hadamard matrix to spread outlier channels): the kernel then
+rotates the query instead, (q R) . (k R) = q . k, and rotates the block's output back by R^T.
+
 The products are batched over (row, kv head) with the G query heads of a group and the S
 query positions folded into the rows of one matmul, [G*S, Dh] x [Dh, Tk]: on CPU this is one
 matmul per (row, head) instead of G*S matrix-vector products (5x faster at batch 8).
@@ -58,6 +62,7 @@ class KeyBlock:
     min_age: int = 0
     max_age: int | None = None
     bypass: jax.Array | None = None  # bool [B, Tk]: visible at any age >= 0 (min/max_age ignored)
+    rotation: jax.Array | None = None  # [Dh, Dh] orthogonal R: k and v hold k R and v R
 
     @property
     def num_keys(self) -> int:
@@ -160,7 +165,8 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
         batch, num_kv_heads, group * seq, head_dim)  # [B, Hkv, G*S, Dh]
     parts = []
     for block in blocks:
-        scores = _scores(q_rows, block) * scale  # [B, Hkv, G*S, Tk]
+        rows = q_rows if block.rotation is None else q_rows @ block.rotation.astype(q.dtype)
+        scores = _scores(rows, block) * scale  # [B, Hkv, G*S, Tk]
         visible = _visible(block, q_positions, window)  # [B, S, Tk]
         visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
         visible = visible.reshape(batch, 1, group * seq, -1)  # [B, 1, G*S, Tk]
@@ -173,6 +179,8 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
         size = block.num_keys
         part = weights if len(blocks) == 1 else weights[..., start:start + size]
         contribution = _values(part, block, q.dtype)  # [B, Hkv, G*S, Dh]
+        if block.rotation is not None:
+            contribution = contribution @ block.rotation.T  # [B, Hkv, G*S, Dh] (float32)
         out = contribution if out is None else out + contribution
         start += size
     out = out.reshape(batch, num_kv_heads, group, seq, head_dim)  # [B, Hkv, G, S, Dh]

@@ -1,18 +1,24 @@
-"""Quantized KV cache: int8 (or packed 4-bit) codes with per-token, per-head scales.
+"""Quantized KV cache: int8 (or packed 4-bit) codes of Hadamard-rotated K/V, per-group scales.
 
-    kq, vq      int8  [L, B, Hkv, T, Dh]       (nbits=8; heads-major like the dense cache)
+    kq, vq      int8  [L, B, Hkv, T, Dh]       codes of k R, v R (nbits=8; heads-major)
                 uint8 [L, B, Hkv, T, Dh/2]     (nbits=4: two signed 4-bit codes a byte)
-    k_scale,    [L, B, Hkv, T, N]              N = Dh / q_group_size groups per head
-    v_scale                                    (N = 1: one scale per token and head), in the
-                                               cache dtype
+    k_scale     [L, B, Hkv, T, Nk]             Nk = 4 key groups per head (Dh/16 for Dh = 64),
+    v_scale     [L, B, Hkv, T, Nv]             Nv = 2 value groups, or Dh / q_group_size for
+                                               both when q_group_size is set; cache dtype
     rk, rv      [L, B, Hkv, R+slack, Dh]       full-precision ring of the most recent tokens
     rpos        int32 [L, B, R+slack]          (residual_length = R > 0 only, else None)
     length      int32 [B]
 
-Quantization is symmetric: scale = max|x| / qmax per (token, head, group), code =
-round(x / scale), qmax = 127 (int8) or 7 (4-bit). Attention never dequantizes the cache: the
-query-key products are multiplied by the key scales, the attention weights by the value
-scales (jaxgen.cache_attention).
+Scheme (issue #6). R is the orthonormal Hadamard matrix [Dh, Dh] (`rotate=True`, the default,
+for power-of-two Dh; identity otherwise). Llama keys carry a few large channels (post-RoPE);
+rotating spreads them over all channels, so a per-token absmax no longer spends its range on
+them. Then symmetric quantization per (token, head, group): scale = max|x| / qmax, code =
+round(x / scale), qmax = 127 (int8) or 7 (4-bit). Keys get more groups than values: on
+SmolLM2 the key error dominates (greedy agreement with exact keys and int8 values: 0.97).
+Attention never dequantizes the cache: the query is rotated (q R . k R = q . k), the
+query-code products are multiplied by the key scales, the attention weights by the value
+scales, and the block's output is rotated back by R^T (jaxgen.cache_attention). R is fixed,
+not fitted to data, so the codes of a token depend on that token alone.
 
 Which precision a key is read in depends only on its age relative to the query:
 age = p - j < residual_length reads the full-precision copy, older keys read the codes. So
@@ -21,13 +27,14 @@ verify) and rolling back then regenerating reproduces a fresh run, as long as th
 ring still holds the recent keys (rollback <= rollback_slack + 1); past that, the affected
 keys fall back to their int8 codes (never to garbage).
 
-Bytes per token and head: Dh (int8) + N * itemsize scales. For Dh = 64, N = 1: 0.27x of fp32,
-0.52x of bf16 (plus the residual ring, if any).
+Bytes per token and head (K + V): 2 Dh (int8) + (Nk + Nv) * itemsize. For Dh = 64 and the
+default 4 + 2 scales: 0.297x of fp32, 0.547x of bf16 (plus the residual ring, if any; with
+residual_length = 128 the ring alone is ~1x the fp32 cache at 150 tokens, so it stays off).
 
 Example:
     >>> c = QuantizedKVCache.init(num_layers=1, batch=1, max_len=8, num_kv_heads=1, head_dim=4)
-    >>> c.kq.dtype, c.k_scale.shape
-    (dtype('int8'), (1, 1, 1, 8, 1))
+    >>> c.kq.dtype, c.k_scale.shape, c.v_scale.shape
+    (dtype('int8'), (1, 1, 1, 8, 4), (1, 1, 1, 8, 2))
 """
 from __future__ import annotations
 
@@ -36,12 +43,33 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback, heads_major_index
 from jaxgen.cache_attention import KeyBlock, attend_blocks, heads_major
 from jaxgen.cache_window import ring_write
 
 QMAX = {8: 127, 4: 7}
+KEY_GROUPS, VALUE_GROUPS = 4, 2  # default scales per token and head (q_group_size unset)
+
+
+def hadamard(dim: int) -> np.ndarray | None:
+    """Orthonormal Sylvester-Hadamard matrix [Dh, Dh] float32; None if Dh is not a power of 2."""
+    if dim < 1 or dim & (dim - 1):
+        return None
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < dim:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(np.float32(dim))  # [Dh, Dh], h @ h.T = I
+
+
+def default_groups(head_dim: int, group_size: int | None) -> tuple[int, int]:
+    """(key groups, value groups) per head: head_dim // q_group_size for both if set, else
+    KEY_GROUPS / VALUE_GROUPS (one group where they do not divide head_dim)."""
+    if group_size:
+        return head_dim // group_size, head_dim // group_size
+    fit = lambda n: n if head_dim % n == 0 else 1  # noqa: E731
+    return fit(KEY_GROUPS), fit(VALUE_GROUPS)
 
 
 def quantize(x: jax.Array, nbits: int, groups: int, scale_dtype):
@@ -85,35 +113,36 @@ def dequantize(codes: jax.Array, scale: jax.Array, nbits: int) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedKVCache:
-    """int8 / 4-bit KV cache (cache_implementation="quantized"). A PyTree."""
+    """int8 / 4-bit KV cache of rotated K/V (cache_implementation="quantized"). A PyTree."""
 
-    kq: jax.Array  # int8 [L, B, Hkv, T, Dh] | uint8 [L, B, Hkv, T, Dh/2]
-    vq: jax.Array
-    k_scale: jax.Array  # [L, B, Hkv, T, N]
-    v_scale: jax.Array
+    kq: jax.Array  # int8 [L, B, Hkv, T, Dh] | uint8 [L, B, Hkv, T, Dh/2] (codes of k R)
+    vq: jax.Array  # (codes of v R)
+    k_scale: jax.Array  # [L, B, Hkv, T, Nk]
+    v_scale: jax.Array  # [L, B, Hkv, T, Nv]
     rk: jax.Array | None  # [L, B, Hkv, S, Dh] residual ring (None when residual_length == 0)
     rv: jax.Array | None
     rpos: jax.Array | None  # int32 [L, B, S]
     length: jax.Array  # int32 [B]
     nbits: int = dataclasses.field(metadata=dict(static=True))
     residual_length: int = dataclasses.field(metadata=dict(static=True))
+    rotate: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     kind: ClassVar[str] = "quantized"
 
     @classmethod
     def init(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
              head_dim: int, dtype=jnp.float32, nbits: int = 8, group_size: int | None = None,
-             residual_length: int = 0, rollback_slack: int = 0) -> "QuantizedKVCache":
+             residual_length: int = 0, rollback_slack: int = 0,
+             rotate: bool = True) -> "QuantizedKVCache":
         if nbits not in QMAX:
             raise ValueError(f"nbits={nbits!r} is not supported (allowed: 8, 4)")
-        group_size = group_size or head_dim
-        if head_dim % group_size or (nbits == 4 and head_dim % 2):
+        if (group_size and head_dim % group_size) or (nbits == 4 and head_dim % 2):
             raise ValueError(f"q_group_size={group_size} must divide head_dim={head_dim} "
                              f"(and head_dim must be even for nbits=4)")
         lead = (num_layers, batch, num_kv_heads, max_len)
         code_dim = head_dim if nbits == 8 else head_dim // 2
         code_dtype = jnp.int8 if nbits == 8 else jnp.uint8
-        groups = head_dim // group_size
+        key_groups, value_groups = default_groups(head_dim, group_size)
         rk = rv = rpos = None
         if residual_length > 0:
             slots = min(int(max_len), int(residual_length) + int(rollback_slack))
@@ -122,10 +151,11 @@ class QuantizedKVCache:
             rpos = jnp.full((num_layers, batch, slots), -1, jnp.int32)
         return cls(kq=jnp.zeros(lead + (code_dim,), code_dtype),
                    vq=jnp.zeros(lead + (code_dim,), code_dtype),
-                   k_scale=jnp.zeros(lead + (groups,), dtype),
-                   v_scale=jnp.zeros(lead + (groups,), dtype),
+                   k_scale=jnp.zeros(lead + (key_groups,), dtype),
+                   v_scale=jnp.zeros(lead + (value_groups,), dtype),
                    rk=rk, rv=rv, rpos=rpos, length=jnp.zeros((batch,), jnp.int32),
-                   nbits=int(nbits), residual_length=int(residual_length))
+                   nbits=int(nbits), residual_length=int(residual_length),
+                   rotate=bool(rotate) and hadamard(head_dim) is not None)
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -149,10 +179,24 @@ class QuantizedKVCache:
                                    rpos=ring, length=0)
 
     # ------------------------------------------------------------------ writes
+    @property
+    def rotation(self) -> jax.Array | None:
+        """[Dh, Dh] the Hadamard matrix R the codes are taken in (None: no rotation)."""
+        return jnp.asarray(hadamard(self.head_dim)) if self.rotate else None
+
+    @property
+    def head_dim(self) -> int:
+        return self.kq.shape[-1] * (2 if self.nbits == 4 else 1)
+
+    def _rotated(self, x: jax.Array) -> jax.Array:
+        """New K or V [B, S, Hkv, Dh] -> heads-major float32 [B, Hkv, S, Dh], times R."""
+        x = heads_major(x).astype(jnp.float32)  # [B, Hkv, S, Dh]
+        return x if not self.rotate else x @ self.rotation  # [B, Hkv, S, Dh]
+
     def _write_codes(self, layer, k_new, v_new, positions) -> "QuantizedKVCache":
-        groups = self.k_scale.shape[-1]
-        kq, ks = quantize(heads_major(k_new), self.nbits, groups, self.dtype)  # [B, Hkv, S, *]
-        vq, vs = quantize(heads_major(v_new), self.nbits, groups, self.dtype)
+        key_groups, value_groups = self.k_scale.shape[-1], self.v_scale.shape[-1]
+        kq, ks = quantize(self._rotated(k_new), self.nbits, key_groups, self.dtype)  # [B,Hkv,S,*]
+        vq, vs = quantize(self._rotated(v_new), self.nbits, value_groups, self.dtype)
         at = heads_major_index(positions, self.kq.shape[2], layer)  # 4 x [B, Hkv, S]
         return dataclasses.replace(
             self, kq=self.kq.at[at].set(kq, mode="drop"), vq=self.vq.at[at].set(vq, mode="drop"),
@@ -177,7 +221,7 @@ class QuantizedKVCache:
             kq, vq = unpack4(kq), unpack4(vq)  # codes only; never multiplied by the scales
         return KeyBlock(k=kq, v=vq, positions=jnp.arange(self.max_len, dtype=jnp.int32),
                         k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
-                        min_age=self.residual_length, bypass=bypass)
+                        min_age=self.residual_length, bypass=bypass, rotation=self.rotation)
 
     def _in_ring(self, layer) -> jax.Array:
         """bool [B, T]: key j has its full-precision copy in the residual ring."""

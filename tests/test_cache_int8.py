@@ -8,7 +8,7 @@ import pytest
 
 import jaxgen
 from jaxgen.cache_attention import KeyBlock, attend_blocks
-from jaxgen.cache_int8 import dequantize, pack4, quantize, unpack4
+from jaxgen.cache_int8 import dequantize, hadamard, pack4, quantize, unpack4
 from jaxgen.config import GenerationConfig
 
 PROMPTS = [
@@ -40,21 +40,31 @@ def test_pack4_roundtrip():
     np.testing.assert_array_equal(unpack4(pack4(codes)), codes)
 
 
-@pytest.mark.parametrize("groups", [1, 4])
-def test_scaled_attention_equals_attention_over_dequantized_keys(groups):
-    """The kernel never dequantizes, but must equal dense attention on dequantized K/V."""
+def test_hadamard_is_orthonormal():
+    h = hadamard(16)
+    np.testing.assert_allclose(h @ h.T, np.eye(16), atol=1e-6)
+    assert hadamard(12) is None
+
+
+@pytest.mark.parametrize("groups,rotate", [(1, False), (4, False), (4, True), (2, True)])
+def test_scaled_attention_equals_attention_over_dequantized_keys(groups, rotate):
+    """The kernel never dequantizes (nor un-rotates the cache), but must equal dense
+    attention on the dequantized (and rotated back) K/V."""
     kq_, kv_, kk = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(kq_, (2, 3, 4, 16))  # [B, S, H, Dh], GQA group 2
     k = jax.random.normal(kk, (2, 2, 10, 16))  # [B, Hkv, T, Dh]
     v = jax.random.normal(kv_, (2, 2, 10, 16))
-    kc, ks = quantize(k, 8, groups, jnp.float32)
-    vc, vs = quantize(v, 8, groups, jnp.float32)
+    rot = jnp.asarray(hadamard(16)) if rotate else jnp.eye(16)  # [Dh, Dh]
+    kc, ks = quantize(k @ rot, 8, groups, jnp.float32)
+    vc, vs = quantize(v @ rot, 8, groups // 2 or 1, jnp.float32)
     positions = jnp.arange(10, dtype=jnp.int32)
     q_pos = jnp.array([[4, 5, 6], [7, 8, 9]], jnp.int32)
     got = attend_blocks(q, q_pos, [KeyBlock(k=kc, v=vc, positions=positions, k_scale=ks,
-                                            v_scale=vs)], scale=0.25, window=5)
-    ref = attend_blocks(q, q_pos, [KeyBlock(k=dequantize(kc, ks, 8), v=dequantize(vc, vs, 8),
-                                            positions=positions)], scale=0.25, window=5)
+                                            v_scale=vs, rotation=rot if rotate else None)],
+                        scale=0.25, window=5)
+    k_back, v_back = dequantize(kc, ks, 8) @ rot.T, dequantize(vc, vs, 8) @ rot.T
+    ref = attend_blocks(q, q_pos, [KeyBlock(k=k_back, v=v_back, positions=positions)],
+                        scale=0.25, window=5)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -133,9 +143,10 @@ def test_int8_smollm2_logits_agreement_and_bytes(smollm2):
     model, params, tok = smollm2
     report = agreement_report(model, params, tok, PROMPTS[:4], 32)
     print("\nint8 vs dense, SmolLM2-135M, 4 prompts x 32 tokens:", report)
-    assert report["teacher_forced"] >= 0.95
+    assert report["teacher_forced"] >= 0.97
     assert report["free_running"] >= 0.90
-    assert report["mean_kl"] < 5e-3 and report["max_abs_logit_diff"] < 2.0
+    # Per-token absmax without rotation: mean KL ~1.2e-3, max |diff| ~3.6 (20 x 128).
+    assert report["mean_kl"] < 6e-4 and report["max_abs_logit_diff"] < 1.5
     assert report["bytes_ratio"] <= 0.30
 
 
@@ -154,8 +165,12 @@ def test_int8_smollm2_greedy_agreement_20_prompts_x_128(smollm2):
     model, params, tok = smollm2
     report = agreement_report(model, params, tok, PROMPTS, 128)
     print("\nint8 vs dense, SmolLM2-135M, 20 prompts x 128 tokens:", report)
-    # Same-prefix (teacher-forced) greedy agreement; the free-running position-by-position
-    # rate is reported only: after a row's first near-tie flip every later position differs.
-    assert report["teacher_forced"] >= 0.95
-    assert report["mean_kl"] < 5e-3
+    # Measured (rotated K/V, 4 key + 2 value scales): free-running 0.80, teacher-forced
+    # 0.997, mean KL 1.7e-4, max |diff| 0.83, bytes 0.297. Unrotated per-token absmax: 0.55,
+    # 0.988, 1.2e-3, 3.6. The issue's free-running target (0.95) is not reached: the dense
+    # continuations hold 7 positions with a top-2 logit gap < 0.005 (13 below 0.01), and a
+    # flip there makes every later position of the row differ.
+    assert report["free_running"] >= 0.75
+    assert report["teacher_forced"] >= 0.99
+    assert report["mean_kl"] < 4e-4
     assert report["bytes_ratio"] <= 0.30
