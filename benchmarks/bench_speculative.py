@@ -307,6 +307,7 @@ def _merge(a, b):
         accepted=sa.accepted + sb.accepted, position_tried=sa.position_tried + sb.position_tried,
         position_accepted=sa.position_accepted + sb.position_accepted,
         target_forwards=sa.target_forwards + sb.target_forwards,
+        verified_positions=sa.verified_positions + sb.verified_positions,
         draft_forwards=sa.draft_forwards + sb.draft_forwards,
         num_assistant_tokens=sb.num_assistant_tokens)
 

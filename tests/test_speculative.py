@@ -187,7 +187,8 @@ def _sample_cfg(**extra):
     return GenerationConfig(**{**fields, **extra})
 
 
-@pytest.mark.parametrize("drafter", ["draft", pytest.param("lookup", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("drafter", ["draft", "draft-heuristic",
+                                     pytest.param("lookup", marks=pytest.mark.slow)])
 def test_sampled_rows_do_not_depend_on_the_batch(drafter):
     cfg = _sample_cfg(num_assistant_tokens=3, assistant_confidence_threshold=0.0,
                       max_new_tokens=12)
@@ -195,6 +196,9 @@ def test_sampled_rows_do_not_depend_on_the_batch(drafter):
     kw = dict(assistant_model=(MODEL, random_table(V, 1, scale=3.0)))
     if drafter == "lookup":
         cfg, kw = cfg.replace(prompt_lookup_num_tokens=3), {}
+    if drafter == "draft-heuristic":  # per-row draft lengths; the verify width is the batch's
+        cfg = cfg.replace(num_assistant_tokens=1, max_assistant_tokens=4,
+                          num_assistant_tokens_schedule="heuristic")
     batched, _ = _ids(PARAMS, PROMPTS, cfg, key=keys, **kw)
     for b, prompt in enumerate(PROMPTS):
         alone, _ = _ids(PARAMS, [prompt], cfg, key=keys[b:b + 1], **kw)
@@ -373,3 +377,49 @@ def test_bad_assistant_input():
     with pytest.raises(ValueError):
         generate(PARAMS, state(), BASE, assistant_model=(other, random_table(V + 1)))
     assert jaxgen.trace_count() == before
+
+
+# ------------------------------------------------------------------ verify width
+def test_draft_buckets():
+    from jaxgen.speculative.loop import draft_buckets
+    assert draft_buckets(10) == (0, 1, 3, 7, 10)
+    assert draft_buckets(4) == (0, 1, 3, 4)
+    assert draft_buckets(1) == (0, 1) and draft_buckets(7) == (0, 1, 3, 7)
+
+
+def test_verify_width_follows_the_longest_draft():
+    """No lookup match: every round is a one-position forward. A draft model with a constant
+    K = 4 verifies 5 positions a round until the budget caps the drafts."""
+    distinct = [[2, 3, 4, 5], [6, 7]]
+    cfg = BASE.replace(max_new_tokens=6, prompt_lookup_num_tokens=7, eos_token_id=None)
+    table = {"table": jnp.asarray(np.roll(np.eye(V, dtype=np.float32), 1, axis=1) * 5.0)}
+    got, out = _ids(table, distinct, cfg)  # token t -> t + 1: a fresh token every step
+    assert got[0][4:] == [6, 7, 8, 9, 10, 11] and got[1][2:] == [8, 9, 10, 11, 0, 1]
+    spec = out.speculative
+    assert np.asarray(spec.drafted).sum() == 0
+    assert int(spec.verified_positions) == int(np.asarray(spec.rounds).max())
+    cfg = BASE.replace(max_new_tokens=12, eos_token_id=None, pad_token_id=None)
+    ref, _ = _ids(PARAMS, PROMPTS[:1], cfg)
+    got, out = _ids(PARAMS, PROMPTS[:1], cfg.replace(num_assistant_tokens=4),
+                    assistant_model=(MODEL, PARAMS))  # the target as its own draft
+    assert got == ref
+    spec = out.speculative
+    # 12 new tokens: prefill 1, then rounds of 4 drafts + bonus (5 wide) twice, then the
+    # budget leaves no room for a draft: a 1-wide round.
+    assert int(np.asarray(spec.rounds)[0]) == 3 and int(spec.verified_positions) == 5 + 5 + 1
+
+
+def test_prompt_lookup_heuristic_schedule_shrinks_failing_rows():
+    """A row whose lookups keep failing drafts fewer tokens under "heuristic"; greedy output
+    is unchanged and the verify forwards get narrower."""
+    cfg = BASE.replace(max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=7)
+    ref, const = _ids(PARAMS, PROMPTS, cfg)
+    got, adapt = _ids(PARAMS, PROMPTS, cfg.replace(num_assistant_tokens_schedule="heuristic"))
+    assert got == ref
+    c, a = const.speculative, adapt.speculative
+    c_rate = np.asarray(c.drafted) / np.maximum(np.asarray(c.rounds), 1)
+    a_rate = np.asarray(a.drafted) / np.maximum(np.asarray(a.rounds), 1)
+    assert np.all(a_rate <= c_rate + 1e-6) and np.any(a_rate < c_rate)
+    c_width = int(c.verified_positions) / int(np.asarray(c.rounds).max())
+    a_width = int(a.verified_positions) / int(np.asarray(a.rounds).max())
+    assert a_width < c_width

@@ -63,6 +63,8 @@ class SpeculativeStats:
     position_tried     int32 [B, K]  rounds in which draft position i was proposed
     position_accepted  int32 [B, K]  rounds in which draft position i was accepted
     target_forwards    int32 []      target forwards: prefill + verify rounds
+    verified_positions int32 []      positions the verify forwards computed per row (each round
+                                     k + 1 for its width bucket k): the compute spent
     draft_forwards     int32 []      draft-model forwards (prefill included; 0 for prompt lookup)
     num_assistant_tokens int32 [B]   the draft length the next call should start from
                                      (changed only by the "heuristic" schedule, as in HF)
@@ -74,6 +76,7 @@ class SpeculativeStats:
     position_tried: jax.Array
     position_accepted: jax.Array
     target_forwards: jax.Array
+    verified_positions: jax.Array
     draft_forwards: jax.Array
     num_assistant_tokens: jax.Array
 
@@ -83,7 +86,8 @@ class SpeculativeStats:
         return cls(rounds=z, drafted=z, accepted=z,
                    position_tried=jnp.zeros((batch, K), jnp.int32),
                    position_accepted=jnp.zeros((batch, K), jnp.int32),
-                   target_forwards=jnp.int32(1), draft_forwards=jnp.int32(0),
+                   target_forwards=jnp.int32(1), verified_positions=jnp.int32(0),
+                   draft_forwards=jnp.int32(0),
                    num_assistant_tokens=start)
 
     @property
@@ -282,6 +286,7 @@ def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry
         position_accepted=stats.position_accepted + (position < accepted[:, None]
                                                      ).astype(jnp.int32),
         target_forwards=stats.target_forwards + 1,
+        verified_positions=stats.verified_positions + (k + 1),
         draft_forwards=stats.draft_forwards + proposal.forwards)
     k_sched = carry.k_sched
     schedule = cfg.num_assistant_tokens_schedule

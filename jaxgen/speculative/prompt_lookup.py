@@ -13,6 +13,10 @@ A larger n always takes precedence over a smaller one, even if the smaller one m
 earlier (HF breaks out of the n loop at the first n with a valid match). Like HF, a
 continuation that an EOS cuts to nothing is not replaced by a later match.
 
+Draft count per row: K (HF), or adapted per row by `num_assistant_tokens_schedule`
+"heuristic" / "heuristic_transient" (a jaxgen extension; greedy outputs are the same either
+way, sampling stays lossless).
+
 Not reproduced: HF's extra pass that runs the logits processors on dummy logits to shorten a
 continuation at tokens the processors forbid. It only changes which drafts are proposed;
 forbidden drafts are rejected by verification instead, so outputs are the same.
@@ -74,7 +78,11 @@ class PromptLookupDrafter:
 
     num_tokens: int  # K = prompt_lookup_num_tokens
     max_ngram: int  # max_matching_ngram_size (HF default 2)
-    scheduled = False  # no draft-length schedule, no confidence threshold (as in HF)
+    # Drafts start at K every call and no confidence threshold applies (as in HF). Unlike HF,
+    # num_assistant_tokens_schedule="heuristic" / "heuristic_transient" adapts each row's
+    # draft count (+2 after a fully accepted round, -1 otherwise): rows whose lookups keep
+    # failing stop paying for wide verify forwards (see jaxgen.speculative.loop).
+    scheduled = False
 
     def init(self, draft_params, state):
         return None
