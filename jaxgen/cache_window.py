@@ -147,7 +147,14 @@ class SlidingWindowCache:
 
     def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
                       window: int | None = None):
-        """Attends over (ring entries older than the chunk) + (the chunk), then writes."""
+        """Write + attend. A chunk of n <= S - W + 1 tokens (decode steps, verify blocks within
+        the slack) only overwrites positions older than every query's window: it is written
+        first and attention reads the ring alone, so XLA updates the ring in place. Longer
+        chunks attend over (ring entries older than the chunk) + (the chunk), then write:
+        reading before writing makes XLA copy the ring, which is fine for a prefill."""
+        if positions.shape[1] <= self.max_len - self.window + 1:
+            cache = self.update(layer, k_new, v_new, positions)
+            return cache.attend(layer, q, positions, scale=scale, window=window), cache
         pos_layer = self.pos[layer]  # [B, S]
         old = KeyBlock(k=self.k[layer], v=self.v[layer], positions=pos_layer,
                        valid=pos_layer < positions[:, :1])
