@@ -148,11 +148,13 @@ class SlidingWindowCache:
     def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
                       window: int | None = None):
         """Write + attend. A chunk of n <= S - W + 1 tokens (decode steps, verify blocks within
-        the slack) only overwrites positions older than every query's window: it is written
-        first and attention reads the ring alone, so XLA updates the ring in place. Longer
-        chunks attend over (ring entries older than the chunk) + (the chunk), then write:
+        the slack) only overwrites positions older than every query's window, and a ring of
+        S < W slots (capped by a buffer shorter than the window) never wraps: then the chunk is
+        written first and attention reads the ring alone, so XLA updates the ring in place.
+        Otherwise attend over (ring entries older than the chunk) + (the chunk), then write:
         reading before writing makes XLA copy the ring, which is fine for a prefill."""
-        if positions.shape[1] <= self.max_len - self.window + 1:
+        slots = self.max_len
+        if positions.shape[1] <= slots - self.window + 1 or slots < self.window:
             cache = self.update(layer, k_new, v_new, positions)
             return cache.attend(layer, q, positions, scale=scale, window=window), cache
         pos_layer = self.pos[layer]  # [B, S]
