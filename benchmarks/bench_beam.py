@@ -24,6 +24,8 @@ import jaxgen
 from jaxgen.models import DEFAULT_MODEL, load
 from jaxgen.models.hf_export import hf_from_jaxgen
 
+from report_table import table_header, table_row
+
 TEXT = ("The history of the city begins with a small settlement on the river, where traders "
         "met farmers and fishermen every season to exchange goods and stories. ")
 
@@ -124,12 +126,12 @@ def main() -> None:
           f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, EOS off; "
           f"best of {args.repeats}; jax {jax.__version__} ({jax.devices()[0].platform}), "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)\n")
-    print("| batch | jaxgen tok/s | transformers tok/s | speed-up | jaxgen ms/step "
-          "| transformers ms/step | jaxgen compile s | identical sequences |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(table_header("batch", "jaxgen tok/s", "transformers tok/s", "speed-up",
+                       "jaxgen ms/step", "transformers ms/step", "jaxgen compile s",
+                       "identical sequences"))
     for batch, ours_tps, hf_tps, speedup, ours_ms, hf_ms, compile_s, same in rows:
-        print(f"| {batch} | {ours_tps:.1f} | {hf_tps:.1f} | {speedup:.2f}x | {ours_ms:.1f} | "
-              f"{hf_ms:.1f} | {compile_s:.1f} | {same} |")
+        print(table_row(batch, f"{ours_tps:.1f}", f"{hf_tps:.1f}", f"{speedup:.2f}x",
+                        f"{ours_ms:.1f}", f"{hf_ms:.1f}", f"{compile_s:.1f}", same))
 
 
 if __name__ == "__main__":

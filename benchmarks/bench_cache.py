@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jaxgen.models import Llama, LlamaConfig
 from jaxgen.state import _next_pow2
 
+from report_table import table_header, table_row
+
 BASE = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers=8,
             num_heads=8, num_kv_heads=8, head_dim=64, max_position_embeddings=32768)
 WINDOW = 4096
@@ -121,14 +123,14 @@ def main(argv=None):
     print(f"\nRandom Llama, 8 layers, 8 KV heads x 64, hidden 512, fp32, batch 1, "
           f"{args.steps} decode steps ({jax.devices()[0].platform}, "
           f"{os.cpu_count()} cores); total {time.perf_counter() - start:.0f}s\n")
-    print("| kind | context | cache MiB | x static bytes | decode tok/s | x static speed |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(table_header("kind", "context", "cache MiB", "x static bytes", "decode tok/s",
+                       "x static speed", numeric=True))
     for r in rows:
         ref = static.get(r["context"])
         rel_b = f"{r['bytes'] / ref['bytes']:.3f}" if ref else "-"
         rel_s = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "-"
-        print(f"| {r['kind']} | {r['context']} | {r['bytes'] / 2**20:.1f} | {rel_b} | "
-              f"{r['tokens_per_s']:.1f} | {rel_s} |")
+        print(table_row(r["kind"], r["context"], f"{r['bytes'] / 2**20:.1f}", rel_b,
+                        f"{r['tokens_per_s']:.1f}", rel_s))
     plot(rows, args.plot)
     print(f"\nplot: {args.plot}")
     return rows

@@ -24,6 +24,8 @@ import jaxgen
 from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
 from jaxgen.models.hf_export import hf_from_jaxgen
 
+from report_table import table_header, table_row
+
 
 def measure_bandwidth(repeats: int = 10) -> float:
     """GB/s of a jitted fp32 matrix-vector product over a 512 MB matrix."""
@@ -116,12 +118,11 @@ def main() -> None:
           f"{args.new_tokens} new tokens; weights {weight_bytes / 1e6:.0f} MB; "
           f"measured bandwidth {bandwidth:.1f} GB/s; jax {jax.__version__}, "
           f"{jax.devices()[0].platform}\n")
-    print("| batch | jaxgen tok/s | transformers tok/s | speed-up | jaxgen ms/step | floor ms/step "
-          "| x floor | compile s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(table_header("batch", "jaxgen tok/s", "transformers tok/s", "speed-up",
+                       "jaxgen ms/step", "floor ms/step", "x floor", "compile s"))
     for batch, ours_tps, hf_tps, speedup, ours_ms, floor_ms, ratio, compile_s in rows:
-        print(f"| {batch} | {ours_tps:.1f} | {hf_tps:.1f} | {speedup:.2f}x | {ours_ms:.1f} | "
-              f"{floor_ms:.1f} | {ratio:.2f} | {compile_s:.1f} |")
+        print(table_row(batch, f"{ours_tps:.1f}", f"{hf_tps:.1f}", f"{speedup:.2f}x",
+                        f"{ours_ms:.1f}", f"{floor_ms:.1f}", f"{ratio:.2f}", f"{compile_s:.1f}"))
 
 
 if __name__ == "__main__":

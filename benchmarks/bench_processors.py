@@ -25,6 +25,8 @@ import numpy as np
 from jaxgen.config import GenerationConfig
 from jaxgen.processors import ProcessorContext, process_logits
 
+from report_table import table_header, table_row
+
 HISTORY = 512
 
 CHAINS = {
@@ -91,17 +93,16 @@ def main() -> None:
     if step is not None:
         print(f"SmolLM2-135M decode step, batch 1: {step:.2f} ms")
     print()
-    print("| chain | vocab | batch | search ms/step | sort ms/step | search / decode step "
-          "| sort / decode step |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(table_header("chain", "vocab", "batch", "search ms/step", "sort ms/step",
+                       "search / decode step", "sort / decode step", numeric=True))
     for chain in CHAINS:
         for vocab in (49152, 128256):
             for batch in (1, 8):
                 fast = chain_ms(chain, vocab, batch, "search", args.calls)
                 exact = chain_ms(chain, vocab, batch, "sort", args.calls)
                 ratio = (lambda ms: f"{ms / step:.1%}" if step else "n/a")
-                print(f"| {chain} | {vocab} | {batch} | {fast:.3f} | {exact:.3f} | "
-                      f"{ratio(fast)} | {ratio(exact)} |", flush=True)
+                print(table_row(chain, vocab, batch, f"{fast:.3f}", f"{exact:.3f}",
+                                ratio(fast), ratio(exact)), flush=True)
 
 
 if __name__ == "__main__":

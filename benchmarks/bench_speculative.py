@@ -31,6 +31,8 @@ import jaxgen
 from jaxgen import generate, init_state
 from jaxgen.generate import default_config, outputs_to_lists
 
+from report_table import table_header, table_row
+
 PASSAGES = [
     "The lighthouse at Kerran Point was built in 1871 from granite quarried on the island "
     "itself. For more than a century its keepers lived in two small cottages at the foot of the "
@@ -290,12 +292,10 @@ def main() -> None:
                      f"{(new / seconds) / hf_tps:.2f}x transformers greedy"))
 
     print()
-    print("| setting | batch | tokens/s | vs jaxgen greedy | decode only | accepted/round | "
-          "tokens/round | notes |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(table_header("setting", "batch", "tokens/s", "vs jaxgen greedy", "decode only",
+                       "accepted/round", "tokens/round", "notes"))
     for name, batch, tps, speed, decode, acc, per, note in rows:
-        print(f"| {name} | {batch} | {tps:.1f} | {speed:.2f}x | {decode} | {acc} | {per} | "
-              f"{note} |")
+        print(table_row(name, batch, f"{tps:.1f}", f"{speed:.2f}x", decode, acc, per, note))
 
 
 def _merge(a, b):

@@ -20,6 +20,8 @@ from jaxgen.chunked import ChunkTimings
 from jaxgen.models import DEFAULT_MODEL, load
 from jaxgen.streaming import TextStreamer
 
+from report_table import table_header, table_row
+
 
 class SilentStreamer(TextStreamer):
     """Decodes exactly as TextStreamer does, but keeps the text instead of printing it."""
@@ -77,14 +79,13 @@ def main() -> None:
     base, _ = best_of(args.repeats, single)
     print(f"\nSmolLM2-135M-Instruct fp32, greedy, batch 1, {len(row)}-token chat prompt, "
           f"{args.new_tokens} new tokens; jax {jax.__version__}\n")
-    print("| path | tokens/s | vs single call | time to first token |")
-    print("|---|---|---|---|")
-    print(f"| single call (no streaming) | {args.new_tokens / base:.1f} | 1.00x | "
-          f"{base:.2f} s (whole answer) |")
+    print(table_header("path", "tokens/s", "vs single call", "time to first token"))
+    print(table_row("single call (no streaming)", f"{args.new_tokens / base:.1f}", "1.00x",
+                    f"{base:.2f} s (whole answer)"))
     for chunk in args.chunks:
         seconds, timings = best_of(args.repeats, streamed(chunk))
-        print(f"| streamed, chunk {chunk} | {args.new_tokens / seconds:.1f} | "
-              f"{base / seconds:.2f}x | {timings.first_token_s * 1e3:.0f} ms |")
+        print(table_row(f"streamed, chunk {chunk}", f"{args.new_tokens / seconds:.1f}",
+                        f"{base / seconds:.2f}x", f"{timings.first_token_s * 1e3:.0f} ms"))
 
 
 if __name__ == "__main__":
