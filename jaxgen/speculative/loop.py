@@ -121,7 +121,6 @@ class SpecCarry:
     k_sched: jax.Array  # int32 [B] the schedule's current draft length per row
     stats: SpeculativeStats
     pending: Any  # Proposal: the drafts the next round verifies (k_row already capped)
-    bucket: jax.Array  # int32 []: index in draft_buckets(K) of the next round's verify width
 
 
 def draft_buckets(K: int) -> tuple[int, ...]:
@@ -219,8 +218,7 @@ def propose_next(draft_params, state: DecodeState, carry: SpecCarry, cfg: Genera
         do_sample=cfg.do_sample, keep_q=cfg.do_sample or weight is not None, threshold=threshold)
     k_row = jnp.where(live, jnp.minimum(proposal.k_row, k_want), 0)  # [B]
     proposal = dataclasses.replace(proposal, k_row=k_row)
-    return dataclasses.replace(carry, draft_state=draft_state, pending=proposal,
-                               bucket=_bucket_index(k_row, K))
+    return dataclasses.replace(carry, draft_state=draft_state, pending=proposal)
 
 
 def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry,
@@ -322,8 +320,7 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
     stats = SpeculativeStats.zeros(batch, K, start)
     if draft_state is not None:
         stats = dataclasses.replace(stats, draft_forwards=jnp.int32(1))
-    carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats, pending=None,
-                      bucket=jnp.int32(0))
+    carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats, pending=None)
     return state, propose_next(draft_params, state, carry, cfg, drafter, ext), record
 
 
@@ -346,7 +343,8 @@ def speculative_rounds(params, state: DecodeState, carry, record, cfg: Generatio
 
     def inner(index, width):
         def cond(loop):
-            return running(loop) & (loop[2].bucket == index)
+            pending = loop[2].pending
+            return running(loop) & (_bucket_index(pending.k_row, drafter.num_tokens) == index)
 
         def body(loop):
             i, st, sc, rec = loop
