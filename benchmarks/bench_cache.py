@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.models import Llama, LlamaConfig
-from jaxgen.state import _next_pow2
+from jaxgen.state import next_pow2
 
 from report_table import table_header, table_row
 
@@ -84,7 +84,7 @@ def run_one(label: str, context: int, steps: int) -> dict:
     params = model.init_params(jax.random.key(0))
     capacity = context + 2 * steps
     if kind == "dynamic":
-        capacity = _next_pow2(context + 2 * steps + CHUNK)
+        capacity = next_pow2(context + 2 * steps + CHUNK)
     cache = model.init_cache(1, capacity, kind=kind, cache_config=cache_config)
     cache = fill(cache, context, jax.random.key(1))
     nbytes = cache.nbytes()

@@ -1,13 +1,15 @@
 """jaxgen: functional, JIT-compiled text generation in JAX.
 
+Example (illustration: loads the embedded 135M model):
     >>> import jaxgen
-    >>> model, params, tokenizer = jaxgen.models.load("smollm2-135m-instruct")
+    >>> model, params, tokenizer = jaxgen.models.load("smollm2-135m-instruct")  # doctest: +SKIP
     >>> jaxgen.generate_text(model, params, tokenizer, ["What is the capital of France?"],
-    ...                      chat=True, max_new_tokens=20)
+    ...                      chat=True, max_new_tokens=20)  # doctest: +SKIP
 """
 from jaxgen.cache import KVCache
 from jaxgen.config import GenerationConfig
-from jaxgen.generate import GenerateOutput, default_config, generate, generate_ids, trace_count
+from jaxgen.generate import default_config, generate, generate_ids, trace_count
+from jaxgen.output import GenerateOutput
 from jaxgen.state import DecodeState, init_state
 from jaxgen.text import generate_text
 

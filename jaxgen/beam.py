@@ -38,13 +38,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen import stopping
+from jaxgen.cache import Cache
 from jaxgen.config import GenerationConfig, _flatten, _unflatten
-from jaxgen.decode import prefill
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
-from jaxgen.processors import ProcessorContext, process_logits
+from jaxgen.output import GenerateOutput
+from jaxgen.processors import process_logits
 from jaxgen.sampling import step_keys
 from jaxgen.state import DecodeState, init_cache_for
-from jaxgen.stopping_strings import stop_string_hit
+from jaxgen.step import (forward_last, invalid_logits, prefill, processor_context, reason_of,
+                         stop_flags)
 
 NEG = -1.0e9  # HF's "impossible" score offset (kept identical: it shapes fp32 rounding)
 
@@ -108,7 +110,8 @@ class BeamState:
     fin_done: jax.Array  # bool [B, K] HF is_sent_finished
     improvable: jax.Array  # bool [B] HF is_early_stop_heuristic_unsatisfied
     live: jax.Array  # bool [B] row still searching
-    cache: Any  # rows b*K + k
+    invalid: jax.Array  # bool [B] a running beam of the row got NaN / inf logits
+    cache: Cache  # rows b*K + k
     scores: jax.Array | None  # float32 [B*K, N, V] processed scores per step (output_scores)
     logits: jax.Array | None  # float32 [B*K, N, V] raw logits per step (output_logits)
 
@@ -186,8 +189,7 @@ def _per_beam_config(cfg: GenerationConfig, batch: int, beams: int) -> Generatio
 def _context(static: _Static, tokens: jax.Array, length: jax.Array, copies: int):
     """ProcessorContext over [B*copies] rows (each beam / candidate sees its own sequence)."""
     rep = lambda a: jnp.repeat(a, copies, axis=0)  # noqa: E731
-    return ProcessorContext(tokens=tokens, length=rep(length), prompt_len=rep(static.prompt_len),
-                            max_new=rep(static.max_new))
+    return processor_context(tokens, rep(length), rep(static.prompt_len), rep(static.max_new))
 
 
 def _candidate_stops(static: _Static, tokens: jax.Array, token: jax.Array,
@@ -196,26 +198,20 @@ def _candidate_stops(static: _Static, tokens: jax.Array, token: jax.Array,
 
     tokens int32 [B, W, T] with the new token written; token int32 [B, W]; lengths [B] the
     index the new token went to; scores [B*K, V] processed; source [B, W] beam per candidate.
-    Priority as jaxgen.stopping.update_stop: EOS, STOP_STRING, CUSTOM, MAX_LENGTH.
+    The flags and their priority are jaxgen.step.stop_flags / reason_of, as in every loop.
     """
     batch, width, buffer_len = tokens.shape
-    step_new = lengths + 1 - static.prompt_len  # [B] new tokens including this one
-    full = (step_new >= static.max_new) | (lengths + 1 >= buffer_len)  # [B]
-    reason = jnp.where(full[:, None], stopping.MAX_LENGTH, stopping.NOT_STOPPED)  # [B, W]
-    flat = tokens.reshape(batch * width, buffer_len)  # [B*W, T]
-    new_len = jnp.repeat(lengths + 1, width)  # [B*W]
+    rep = lambda a: jnp.repeat(a, width)  # noqa: E731  [B] -> [B*W]
+    cand_scores = None
     if static.ext.stopping_criteria:
-        beams = static.num_beams
-        cand_scores = _take(scores.reshape(batch, beams, -1), source)  # [B, W, V]
-        ctx = _context(static, flat, lengths + 1, width)
-        custom = stopping.custom_stop(static.ext.stopping_criteria, ctx,
-                                      cand_scores.reshape(batch * width, -1))
-        reason = jnp.where(custom.reshape(batch, width), stopping.CUSTOM, reason)
-    if static.stop_tables is not None:
-        hit = stop_string_hit(static.stop_tables, flat, new_len).reshape(batch, width)
-        reason = jnp.where(hit, stopping.STOP_STRING, reason)
-    eos = stopping.hit_eos(token, static.eos_ids)  # [B, W]
-    return jnp.where(eos, stopping.EOS, reason).astype(jnp.int32)  # [B, W]
+        cand_scores = _take(scores.reshape(batch, static.num_beams, -1), source)  # [B, W, V]
+        cand_scores = cand_scores.reshape(batch * width, -1)  # [B*W, V]
+    flags = stop_flags(static.cfg, tokens=tokens.reshape(batch * width, buffer_len),
+                       new_length=rep(lengths + 1), token=token.reshape(-1),
+                       prompt_len=rep(static.prompt_len), max_new=rep(static.max_new),
+                       buffer_len=buffer_len, stop_tables=static.stop_tables, ext=static.ext,
+                       scores=cand_scores)
+    return reason_of(flags).reshape(batch, width)  # [B, W]
 
 
 def _take(array: jax.Array, index: jax.Array) -> jax.Array:
@@ -316,7 +312,9 @@ def beam_step(static: _Static, bs: BeamState, raw_logits: jax.Array) -> BeamStat
     improvable = bs.improvable & jnp.any(best_running[:, None] > worst_finished, axis=1)
     open_beam = ~(jnp.all(fin_done, axis=1) & (static.early_stopping is True))  # [B]
     continuable = ~jnp.all(hits, axis=1)  # [B]
-    live = bs.live & improvable & open_beam & continuable  # [B]
+    invalid = bs.invalid | (bs.live & jnp.any(invalid_logits(raw_logits).reshape(batch, beams),
+                                              axis=1))  # [B]
+    live = bs.live & improvable & open_beam & continuable & ~invalid  # [B]
 
     # the running beams' sequences, and their cache rows gathered by source beam
     flat_source = (run_source + (jnp.arange(batch) * beams)[:, None]).reshape(-1)  # [B*K]
@@ -331,6 +329,7 @@ def beam_step(static: _Static, bs: BeamState, raw_logits: jax.Array) -> BeamStat
         fin_done=fin_done,
         improvable=improvable,
         live=live,
+        invalid=invalid,
         cache=gather_rows(bs.cache, static.cache_axes, flat_source),
         scores=record(bs.scores, scores),
         logits=record(bs.logits, raw_logits),
@@ -364,6 +363,7 @@ def init_beams(state: DecodeState, cfg: GenerationConfig, cache) -> BeamState:
         fin_done=jnp.zeros((batch, beams), bool),
         improvable=jnp.ones((batch,), bool),
         live=jnp.ones((batch,), bool),
+        invalid=jnp.zeros((batch,), bool),
         cache=cache,
         scores=per_step(cfg.output_scores),
         logits=per_step(cfg.output_logits),
@@ -393,7 +393,7 @@ def beam_search(params, state: DecodeState, cfg: GenerationConfig,
         keys=state.key, cfg=_per_beam_config(cfg, batch, beams), cache_axes=axes, ext=ext,
         stop_tables=getattr(state, "stop_tables", None))
     # The prompt runs once per row; its cache is then repeated to the K beams of the row.
-    state, logits = prefill(params, state)  # logits [B, V]
+    state, logits = prefill(params, state, cfg.prefill_chunk_size)  # logits [B, V]
     bs = init_beams(state, cfg, repeat_rows(state.cache, axes, beams))
     bs = beam_step(static, bs, jnp.repeat(logits, beams, axis=0))
 
@@ -401,12 +401,10 @@ def beam_search(params, state: DecodeState, cfg: GenerationConfig,
         return (carry.step < static.steps) & jnp.any(carry.live)
 
     def body(carry: BeamState):
-        position = jnp.repeat(static.prompt_len + carry.step - 1, beams)  # [B*K] last token
+        length = jnp.repeat(static.prompt_len + carry.step, beams)  # [B*K] tokens per beam
         tokens = carry.run_tokens.reshape(batch * beams, buffer_len)  # [B*K, T]
-        last = jnp.take_along_axis(tokens, position[:, None], axis=1)  # [B*K, 1]
-        out = model(params, last, position[:, None], carry.cache)
-        carry = carry.replace(cache=out.cache.with_length(position + 1))
-        return beam_step(static, carry, out.logits[:, -1])
+        logits, cache = forward_last(model, params, tokens, length, carry.cache)
+        return beam_step(static, carry.replace(cache=cache), logits)
 
     bs = jax.lax.while_loop(cond, body, bs)
     return _result(bs, static, returns, state.pad_token_id)
@@ -420,6 +418,7 @@ def _result(bs: BeamState, static: _Static, returns: int, pad_id: int) -> BeamRe
     prompt_lengths = jnp.repeat(static.prompt_len, returns)  # [B*R]
     reason = flat(bs.fin_reason)  # [B*R]
     reason = jnp.where(reason == stopping.NOT_STOPPED, stopping.MAX_LENGTH, reason)
+    reason = jnp.where(jnp.repeat(bs.invalid, returns), stopping.INVALID_LOGITS, reason)
     del pad_id  # unwritten positions already hold the pad id from the prompt buffer
     return BeamResult(
         sequences=sequences, lengths=lengths, prompt_lengths=prompt_lengths,
@@ -428,5 +427,24 @@ def _result(bs: BeamState, static: _Static, returns: int, pad_id: int) -> BeamRe
         scores=bs.scores, logits=bs.logits)
 
 
-__all__ = ["BeamResult", "BeamState", "beam_search", "beam_step", "cache_batch_axes",
+@dataclasses.dataclass(frozen=True)
+class BeamLoop:
+    """Beam search / beam sampling as a loop the plan runs in one call (static). Beam
+    modes have no chunked form (HF streams only greedy and sampling)."""
+
+    ext: Extensions = NO_EXTENSIONS
+    return_beam_indices: bool = False
+    chunkable = False
+
+    def run(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
+        beams = beam_search(params, state, cfg, self.ext)
+        return GenerateOutput(sequences=beams.sequences, lengths=beams.lengths,
+                              prompt_lengths=beams.prompt_lengths, stop_reason=beams.stop_reason,
+                              token_logprobs=beams.token_logprobs, scores=beams.scores,
+                              logits=beams.logits, sequences_scores=beams.sequences_scores,
+                              beam_indices=beams.beam_indices if self.return_beam_indices
+                              else None)
+
+
+__all__ = ["BeamLoop", "BeamResult", "BeamState", "beam_search", "beam_step", "cache_batch_axes",
            "gather_rows", "repeat_rows", "num_candidates"]

@@ -1,8 +1,8 @@
 """The chunked driver: the decode body N steps per jit call, host work between chunks.
 
 A jitted `while_loop` cannot print, read a clock or see a cancel button. The chunked driver
-runs the *same* body as the single-call path (`jaxgen.decode.decode_steps`, same processors,
-same per-row keys), so its tokens are identical; between chunks it
+runs the *same* loop as the single-call path (the plan's loop object: its `start` and
+`advance`, same processors, same per-row keys), so its tokens are identical; between chunks it
 
   * hands each row's new tokens to that row's streamer (one `put` per token, as HF does),
   * checks `max_time` (HF's MaxTimeCriteria: all rows stop once the time is up) and adapts
@@ -12,9 +12,14 @@ same per-row keys), so its tokens are identical; between chunks it
 The first chunk holds only the prefill and the first token, so the time to first token is
 one prefill. Chunk lengths are dynamic arguments: changing them never recompiles.
 
-Example:
-    >>> out = jaxgen.generate(params, state, cfg, streamer=TextStreamer(tokenizer))
+Streamers are ended on every exit path: `end()` when generation finishes (or stops early),
+`fail(error)` (or `end()` for streamers without it) when it raises, so a consumer waiting on
+an iterator streamer never hangs.
+
+Example (illustration; `jaxgen.generate` runs the driver when a streamer is given):
+    >>> out = jaxgen.generate(params, state, cfg, streamer=TextStreamer(tokenizer))  # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,11 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen import stopping
+from jaxgen import compiled, stopping
 from jaxgen.config import GenerationConfig
-from jaxgen.decode import StepRecord, decode_start, decode_steps
-from jaxgen.extensions import NO_EXTENSIONS, Extensions
-from jaxgen.speculative.loop import speculative_rounds, speculative_start
+from jaxgen.output import GenerateOutput
 from jaxgen.state import DecodeState
 
 DEFAULT_CHUNK = 8
@@ -47,83 +50,6 @@ class ChunkTimings:
     chunk_s: list = dataclasses.field(default_factory=list)  # wall time of each decode chunk
 
 
-def _chunk_impl(params, state: DecodeState, record: StepRecord, start, stop,
-                cfg: GenerationConfig, ext: Extensions):
-    return decode_steps(params, state, cfg, record, start, stop, ext)
-
-
-def _spec_start_impl(params, state: DecodeState, cfg: GenerationConfig, draft_params,
-                     start_tokens, ext: Extensions, drafter):
-    return speculative_start(params, state, cfg, drafter, draft_params, start_tokens, ext)
-
-
-def _spec_chunk_impl(params, state: DecodeState, carry, record: StepRecord, start, stop,
-                     cfg: GenerationConfig, draft_params, ext: Extensions, drafter):
-    _, state, carry, record = speculative_rounds(params, state, carry, record, cfg, drafter,
-                                                 draft_params, ext, start=start, stop=stop)
-    return state, carry, record
-
-
-_start_jit = jax.jit(decode_start, donate_argnums=(1,), static_argnums=(3,))
-_chunk_jit = jax.jit(_chunk_impl, donate_argnums=(1, 2), static_argnums=(6,))
-_spec_start_jit = jax.jit(_spec_start_impl, donate_argnums=(1,), static_argnums=(5, 6))
-_spec_chunk_jit = jax.jit(_spec_chunk_impl, donate_argnums=(1, 2, 3), static_argnums=(8, 9))
-
-
-@dataclasses.dataclass(frozen=True)
-class Assisted:
-    """What the chunked driver needs to run the assisted (speculative) loop in chunks."""
-
-    drafter: object
-    draft_params: object = None
-    start_tokens: object = None
-
-
-class _Plain:
-    """One token per step: the greedy / sampling body."""
-
-    def __init__(self, params, cfg, ext):
-        self.params, self.cfg, self.ext = params, cfg, ext
-
-    def start(self, state):
-        state, record = _start_jit(self.params, state, self.cfg, self.ext)
-        return state, record
-
-    def advance(self, state, record, start, stop):
-        _, state, record = _chunk_jit(self.params, state, record, start, stop, self.cfg,
-                                      self.ext)
-        return state, record
-
-    @staticmethod
-    def finish(state, record):
-        return state, record, None
-
-
-class _Speculative:
-    """One speculative round per step (each round emits 1..K+1 tokens per row)."""
-
-    def __init__(self, params, cfg, ext, assisted: Assisted):
-        self.params, self.cfg, self.ext, self.assisted = params, cfg, ext, assisted
-
-    def start(self, state):
-        a = self.assisted
-        state, carry, record = _spec_start_jit(self.params, state, self.cfg, a.draft_params,
-                                               a.start_tokens, self.ext, a.drafter)
-        return state, (carry, record)
-
-    def advance(self, state, extra, start, stop):
-        a = self.assisted
-        state, carry, record = _spec_chunk_jit(self.params, state, extra[0], extra[1], start,
-                                               stop, self.cfg, a.draft_params, self.ext,
-                                               a.drafter)
-        return state, (carry, record)
-
-    @staticmethod
-    def finish(state, extra):
-        carry, record = extra
-        return state.replace(spec=carry), record, carry.stats
-
-
 def as_streamers(streamer, batch: int) -> list | None:
     """None, one streamer (batch 1 only, as HF) or one per row -> a list of B streamers."""
     if streamer is None:
@@ -137,6 +63,22 @@ def as_streamers(streamer, batch: int) -> list | None:
         raise ValueError(f"`streamer`: one streamer cannot take a batch of {batch} rows; pass a "
                          f"list with one streamer per row")
     return [streamer]
+
+
+def end_streamers(streamer, error: BaseException | None = None) -> None:
+    """Ends every streamer in `streamer` (one, a list, or None): `end()`, or `fail(error)`
+    where the streamer has it and generation raised. Never raises itself."""
+    if streamer is None:
+        return
+    for each in streamer if isinstance(streamer, (list, tuple)) else [streamer]:
+        try:
+            fail = getattr(each, "fail", None)
+            if error is not None and callable(fail):
+                fail(error)
+            elif callable(getattr(each, "end", None)):
+                each.end()
+        except Exception:  # a broken streamer must not hide the real error or the others
+            pass
 
 
 class _Emitter:
@@ -160,10 +102,6 @@ class _Emitter:
                 streamer.put(np.asarray([token]))
             self.sent[b] = max(self.sent[b], int(length[b]))
 
-    def end(self) -> None:
-        for streamer in self.streamers or ():
-            streamer.end()
-
     def cancelled(self) -> bool:
         return any(getattr(s, "cancelled", False) for s in self.streamers or ())
 
@@ -174,38 +112,46 @@ def stop_all(state: DecodeState, reason: int) -> DecodeState:
     return state.replace(done=jnp.ones_like(state.done), stop_reason=reason_now)
 
 
-def run_chunked(params, state: DecodeState, cfg: GenerationConfig,
-                ext: Extensions = NO_EXTENSIONS, *, streamer=None,
-                chunk_size: int = DEFAULT_CHUNK, max_time: float | None = None,
+def run_chunked(loop, params, state: DecodeState, cfg: GenerationConfig, inputs=None, *,
+                streamer=None, chunk_size: int = DEFAULT_CHUNK, max_time: float | None = None,
                 stop_event: threading.Event | None = None,
                 prepare_chunk: Callable[[DecodeState, int, int], DecodeState] | None = None,
-                timings: ChunkTimings | None = None, assisted: Assisted | None = None):
-    """Decodes `state` to completion in chunks. `cfg` must be canonical. Consumes `state`.
+                timings: ChunkTimings | None = None) -> GenerateOutput:
+    """Decodes `state` to completion in chunks of `loop` steps. Consumes `state`.
 
-    max_time: seconds (HF's max_time; pass it here, not in the jitted cfg). streamer: None, a streamer (batch 1) or one per row. prepare_chunk(state, step, n):
-    optional host hook run before each chunk of n steps (e.g. growing the cache).
-    assisted: run the speculative loop (a step is then one round).
-    Returns (final state, StepRecord, SpeculativeStats or None).
+    loop: a chunkable loop (`start` / `advance` / `output`, e.g. jaxgen.decode.DecodeLoop);
+    cfg must be canonical and without max_time (pass it here). streamer: None, a streamer
+    (batch 1) or one per row. prepare_chunk(state, step, n): optional host hook run before
+    each chunk of n steps (e.g. growing the cache). Every streamer is ended on every path.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    try:
+        out = _drive(loop, params, state, cfg, inputs, streamer=streamer,
+                     chunk_size=chunk_size, max_time=max_time, stop_event=stop_event,
+                     prepare_chunk=prepare_chunk, timings=timings)
+    except BaseException as error:
+        end_streamers(streamer, error)
+        raise
+    end_streamers(streamer)
+    return out
+
+
+def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, stop_event,
+           prepare_chunk, timings) -> GenerateOutput:
+    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     start_time = time.perf_counter()
     deadline = None if max_time is None else start_time + float(max_time)
     timings = timings if timings is not None else ChunkTimings()
-    streamers = as_streamers(streamer, state.batch)
-    emitter = _Emitter(streamers, state)
+    emitter = _Emitter(as_streamers(streamer, state.batch), state)
     total_steps = state.buffer_len - state.prompt_bucket
     if prepare_chunk is not None:
         state = prepare_chunk(state, 0, 1)
-    program = _Plain(params, cfg, ext) if assisted is None else _Speculative(params, cfg, ext,
-                                                                              assisted)
-    state, extra = program.start(state)
+    state, extra = compiled.start(params, state, cfg, inputs, loop=loop)
     emitter.emit(state)
     timings.first_token_s = time.perf_counter() - start_time
     step, step_time = 1, None
     while step < total_steps:
-        done = np.asarray(jax.device_get(state.done))
-        if done.all():
+        if np.asarray(jax.device_get(state.done)).all():
             break
         if emitter.cancelled() or (stop_event is not None and stop_event.is_set()):
             state = stop_all(state, stopping.CANCELLED)
@@ -222,7 +168,8 @@ def run_chunked(params, state: DecodeState, cfg: GenerationConfig,
         if prepare_chunk is not None:
             state = prepare_chunk(state, step, chunk)
         began = time.perf_counter()
-        state, extra = program.advance(state, extra, jnp.int32(step), jnp.int32(step + chunk))
+        state, extra = compiled.advance(params, state, extra, jnp.int32(step),
+                                        jnp.int32(step + chunk), cfg, inputs, loop=loop)
         state.length.block_until_ready()
         timings.chunk_s.append(time.perf_counter() - began)
         measured = timings.chunk_s[-1] / chunk
@@ -232,16 +179,10 @@ def run_chunked(params, state: DecodeState, cfg: GenerationConfig,
         emitter.emit(state)
     if deadline is not None and time.perf_counter() > deadline:
         state = stop_all(state, stopping.MAX_TIME)
-    emitter.end()
     timings.total_s = time.perf_counter() - start_time
     timings.steps = step
-    return program.finish(state, extra)
+    return loop.output(state, extra)
 
 
-def needs_chunked(cfg: GenerationConfig, streamer, stop_event) -> bool:
-    """Streaming, max_time and cancellation need the host between chunks."""
-    return streamer is not None or cfg.max_time is not None or stop_event is not None
-
-
-__all__: Sequence[str] = ("run_chunked", "needs_chunked", "as_streamers", "ChunkTimings", "Assisted",
+__all__: Sequence[str] = ("run_chunked", "as_streamers", "end_streamers", "ChunkTimings",
                           "stop_all", "DEFAULT_CHUNK")

@@ -1,16 +1,27 @@
 """`GenerationConfig`: Hugging Face's field names, eager validation, static/dynamic split.
 
 The config is a PyTree. Its *dynamic* fields (temperature, top_k, top_p, penalties, ...)
-are leaves: changing them never recompiles, and `jax.vmap` can sweep them. Everything
-else (buffer sizes, the mode, which processors exist, EOS ids, n-gram sizes) is static
-aux data and is part of the compiled program.
+are leaves: changing them never recompiles, and `jax.vmap` can sweep them. Each is one value
+or one value per row (a list, tuple, numpy or jax array of length batch; lists and tuples are
+stored as numpy arrays). Everything else (buffer sizes, the mode, which processors exist, EOS
+ids, n-gram sizes) is static aux data and is part of the compiled program.
+
+Every field Hugging Face's GenerationConfig knows is either implemented (`HF_DEFAULTS`),
+accepted only at its neutral value (`NOT_YET_SUPPORTED`, `HF_FIELDS_UNSUPPORTED`: any other
+value raises a ValueError naming the field and the allowed values) or bookkeeping that is
+ignored (`BOOKKEEPING_FIELDS`).
 
 Example:
+    >>> from jaxgen import GenerationConfig
     >>> cfg = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=32)
     >>> cfg.mode
     'sample'
     >>> cfg.replace(temperature=0.5).temperature
     0.5
+    >>> per_row = cfg.replace(temperature=[0.5, 0.7])  # one value per row
+    >>> per_row.temperature
+    array([0.5, 0.7])
+    >>> per_row.validate_for_batch(2)
 """
 from __future__ import annotations
 
@@ -21,7 +32,12 @@ from typing import Any
 import jax
 import numpy as np
 
-# Defaults Hugging Face applies to fields left unset (GenerationConfig._get_default_generation_params).
+from jaxgen import config_checks
+from jaxgen.config_checks import check_bool, check_float, check_int
+
+# The implemented fields, with the defaults Hugging Face applies to fields left unset
+# (GenerationConfig._get_default_generation_params), plus a few jaxgen-specific fields
+# (JAXGEN_FIELDS). The NOT_YET_SUPPORTED fields are here too, pinned to their default.
 HF_DEFAULTS: dict[str, Any] = {
     "max_length": 20,
     "max_new_tokens": None,
@@ -41,8 +57,6 @@ HF_DEFAULTS: dict[str, Any] = {
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
     "length_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "bad_words_ids": None,
@@ -70,12 +84,22 @@ HF_DEFAULTS: dict[str, Any] = {
     "assistant_lookbehind": 10,
     "target_lookbehind": 10,
     "use_mtp": False,
+    "speculation_type": None,
     "assistant_ensemble_weight": None,
     "cache_implementation": None,
     "cache_config": None,
-    # jaxgen-specific (not a Hugging Face field): "search" (default) finds the top-k / top-p /
-    # min-p / typical-p cut-offs by a bisection over float bits (no sort); "sort" uses the
-    # exact sort-based paths that mirror HF step by step. Static.
+    # The token buffer / cache length (prompt + new tokens). None: sized per call from the
+    # prompt and max_new_tokens / max_length. Static.
+    "max_cache_len": None,
+    # Prefill in chunks of this many positions (bounded activation memory on long prompts).
+    # None: the whole prompt at once. Static.
+    "prefill_chunk_size": None,
+    # jaxgen-specific (not Hugging Face GenerationConfig fields): OpenAI-style penalties.
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    # jaxgen-specific: "search" (default) finds the top-k / top-p / min-p / typical-p
+    # cut-offs by a bisection over float bits (no sort); "sort" uses the exact sort-based
+    # paths that mirror HF step by step. Static.
     "filter_impl": "search",
     # jaxgen-specific: the static draft width K_max of assisted decoding with an assistant
     # model (the per-row draft length moves inside [1, K_max] under the "heuristic"
@@ -83,38 +107,56 @@ HF_DEFAULTS: dict[str, Any] = {
     "max_assistant_tokens": None,
 }
 
-# Fields Hugging Face knows that jaxgen accepts only at their neutral value (for now).
-# An issue that implements one removes it from here.
+# Fields of HF_DEFAULTS that Hugging Face's GenerationConfig does not have.
+JAXGEN_FIELDS = frozenset({"presence_penalty", "frequency_penalty", "filter_impl",
+                           "max_assistant_tokens"})
+
+# Hugging Face fields jaxgen accepts only at their default (HF_DEFAULTS) for now: name ->
+# the feature they belong to. An issue that implements one removes it from here.
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "assistant_early_exit": "self-speculative early exit",
-    "use_mtp": "multi-token prediction",
+    "assistant_early_exit": "self-speculative decoding with an early-exit draft",
+    "use_mtp": "multi-token-prediction drafting",
+    "speculation_type": "DFlash speculative decoding",
+    "assistant_lookbehind": "universal assisted decoding (an assistant model with a "
+                            "different tokenizer)",
+    "target_lookbehind": "universal assisted decoding (an assistant model with a "
+                         "different tokenizer)",
 }
 
-# Hugging Face fields jaxgen will not implement (they raise if set to a non-neutral value).
-HF_FIELDS_UNSUPPORTED: dict[str, Any] = {
-    "num_beam_groups": 1,
-    "diversity_penalty": 0.0,
-    "penalty_alpha": None,
-    "encoder_repetition_penalty": 1.0,
-    "encoder_no_repeat_ngram_size": 0,
-    "force_words_ids": None,
-    "constraints": None,
-    "guidance_scale": None,
-    "watermarking_config": None,
-    "token_healing": False,
-    "dola_layers": None,
-    "low_memory": None,
-    "output_attentions": False,
-    "output_hidden_states": False,
-    "top_h": None,
+# Hugging Face fields jaxgen will not implement: name -> (the neutral values it accepts
+# besides None, why). Any other value raises; they are not stored in the config.
+_ENCODER_DECODER = "it applies to encoder-decoder models; jaxgen decodes decoder-only models"
+_ON_THE_HUB = "Hugging Face moved this decoding method to the Hub (custom_generate)"
+HF_FIELDS_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "num_beam_groups": ((1,), f"group (diverse) beam search; {_ON_THE_HUB}"),
+    "diversity_penalty": ((0.0,), f"group (diverse) beam search; {_ON_THE_HUB}"),
+    "penalty_alpha": ((0.0,), f"contrastive search; {_ON_THE_HUB}"),
+    "dola_layers": ((), f"DoLa decoding; {_ON_THE_HUB}"),
+    "force_words_ids": ((), f"constrained beam search; {_ON_THE_HUB}"),
+    "constraints": ((), f"constrained beam search; {_ON_THE_HUB}"),
+    "low_memory": ((False,), f"sequential (low-memory) beam search; {_ON_THE_HUB}"),
+    "encoder_repetition_penalty": ((1.0,), _ENCODER_DECODER),
+    "encoder_no_repeat_ngram_size": ((0,), _ENCODER_DECODER),
+    "decoder_start_token_id": ((), _ENCODER_DECODER),
+    "guidance_scale": ((1.0,), "classifier-free guidance is not implemented"),
+    "watermarking_config": ((), "watermarking is not implemented"),
+    "token_healing": ((False,), "token healing is not implemented"),
+    "top_h": ((), "top-H (entropy) sampling is not implemented"),
+    "output_attentions": ((False,), "jaxgen's models do not return attention weights"),
+    "output_hidden_states": ((False,), "jaxgen's models do not return hidden states"),
+    "compile_config": ((), "it configures torch.compile; jaxgen always compiles with jax.jit"),
+    "disable_compile": ((False,), "jaxgen always compiles the decoding loop with jax.jit"),
+    "continuous_batching_config": ((), "continuous batching is not implemented (and Hugging "
+                                       "Face deprecated passing it in GenerationConfig)"),
+    "is_assistant": ((False,), "Hugging Face sets it on its own copy of a draft model's "
+                               "config; pass the draft model as generate(..., "
+                               "assistant_model=(model, params)) instead"),
 }
 
-# Fields read from generation_config.json that are bookkeeping only.
-IGNORED_FIELDS = {
-    "transformers_version", "_from_model_config", "decoder_start_token_id", "is_assistant",
-    "compile_config", "disable_compile", "max_cache_len", "prefill_chunk_size",
-    "continuous_batching_config", "speculation_type",
-}
+# Keys Hugging Face writes into generation_config.json as metadata (METADATA_FIELDS, plus
+# the legacy `_commit_hash`): accepted and ignored.
+BOOKKEEPING_FIELDS = frozenset({"transformers_version", "_from_model_config", "_commit_hash",
+                                "_original_object_hash"})
 
 # Dynamic fields: PyTree leaves (scalar or per-row [B]); new values never recompile.
 DYNAMIC_FIELDS = (
@@ -125,7 +167,6 @@ DYNAMIC_FIELDS = (
 )
 STATIC_FIELDS = tuple(k for k in HF_DEFAULTS if k not in DYNAMIC_FIELDS)
 
-MODES = ("greedy", "sample", "beam", "beam_sample", "assisted")
 ASSISTANT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 
@@ -137,56 +178,65 @@ def _values(value) -> np.ndarray:
     return np.asarray(value, dtype=np.float64).reshape(-1)
 
 
-def _check_range(name: str, value, *, low=None, high=None, low_open=False, high_open=False,
-                 allowed: str) -> None:
-    if value is None or not _is_concrete(value):
-        return
-    values = _values(value)
-    bad = np.zeros(values.shape, bool)
-    if low is not None:
-        bad |= (values <= low) if low_open else (values < low)
-    if high is not None:
-        bad |= (values >= high) if high_open else (values > high)
-    bad |= ~np.isfinite(values)
-    if bad.any():
+def _per_row(name: str, value):
+    """A dynamic field's value with lists / tuples as numpy arrays (one PyTree leaf)."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    allowed = "a number or a 1-D list of numbers (one per row)"
+    if not value:
+        raise ValueError(f"`{name}` must be {allowed}, got an empty {type(value).__name__}")
+    if any(isinstance(v, (bool, np.bool_, str, bytes)) for v in value):
         raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}") from None
+    if array.ndim != 1:
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r} (shape {array.shape})")
+    return array
 
 
 def _as_id_tuple(name: str, value) -> tuple[int, ...] | None:
     if value is None:
         return None
-    ids = [value] if isinstance(value, (int, np.integer)) else list(value)
+    allowed = "a non-negative int or a list of them"
+    if isinstance(value, (int, np.integer)):
+        check_int(name, value, allowed=allowed)
+        return (int(value),)
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+    ids = list(value)
     for token in ids:
-        if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or token < 0:
-            raise ValueError(f"`{name}` must be a non-negative int or a list of them, got {value!r}")
+        check_int(name, token, allowed=allowed, shown=repr(value))
     return tuple(int(t) for t in ids)
 
 
 class GenerationConfig:
     """Generation settings with Hugging Face's names and defaults.
 
-    Unknown fields and fields that are known but not yet implemented raise a
-    `ValueError` naming them. `replace(**changes)` returns a new, re-validated config.
+    Unknown fields, and known fields set to a value jaxgen does not implement, raise a
+    `ValueError` naming them and the allowed values. `replace(**changes)` returns a new,
+    re-validated config. Dynamic fields take one value or one per row; as the config does
+    not know the batch, `validate_for_batch(batch)` checks the per-row lengths.
     """
 
     def __init__(self, **fields: Any):
         unknown = sorted(k for k in fields
                          if k not in HF_DEFAULTS and k not in HF_FIELDS_UNSUPPORTED
-                         and k not in IGNORED_FIELDS)
+                         and k not in BOOKKEEPING_FIELDS)
         if unknown:
             raise ValueError(
                 f"GenerationConfig got unknown field(s) {unknown}; known fields: "
                 f"{sorted(HF_DEFAULTS)}")
         values = dict(HF_DEFAULTS)
         for key, value in fields.items():
-            if key in IGNORED_FIELDS:
+            if key in BOOKKEEPING_FIELDS:
                 continue
             if key in HF_FIELDS_UNSUPPORTED:
-                if value is not None and value != HF_FIELDS_UNSUPPORTED[key]:
-                    raise ValueError(
-                        f"`{key}`={value!r} is not supported by jaxgen (allowed: "
-                        f"{HF_FIELDS_UNSUPPORTED[key]!r} or unset)")
+                _refuse_unsupported(key, value)
                 continue
+            if key in DYNAMIC_FIELDS:
+                value = _per_row(key, value)
             values[key] = HF_DEFAULTS[key] if value is None and key != "max_new_tokens" else value
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -234,9 +284,9 @@ class GenerationConfig:
     def __eq__(self, other) -> bool:
         if not isinstance(other, GenerationConfig):
             return NotImplemented
-        return all(not _differs(getattr(self, k), getattr(other, k)) for k in HF_DEFAULTS)
+        return all(_same(getattr(self, k), getattr(other, k)) for k in HF_DEFAULTS)
 
-    __hash__ = None  # mutable-looking leaves; use static_key() for hashing
+    __hash__ = None  # array leaves: not hashable (the PyTree aux data of the static part is)
 
     # ------------------------------------------------------------------- derived
     def _normalize(self) -> None:
@@ -262,17 +312,6 @@ class GenerationConfig:
     def eos_ids(self) -> tuple[int, ...]:
         return self.eos_token_id or ()
 
-    def new_token_budget(self, prompt_length: int) -> int:
-        """Static number of new tokens the buffer must hold for a prompt of this length."""
-        if self.max_new_tokens is not None:
-            return int(self.max_new_tokens)
-        return max(int(self.max_length) - int(prompt_length), 0)
-
-    def static_key(self) -> tuple:
-        """The hashable part of the config: everything that shapes the compiled program."""
-        return tuple((k, _freeze(getattr(self, k))) for k in STATIC_FIELDS) + (
-            ("active", self.active_dynamic()),)
-
     def active_dynamic(self) -> frozenset[str]:
         """Dynamic fields whose processor is part of the compiled program."""
         return self._active
@@ -297,46 +336,44 @@ class GenerationConfig:
     # ----------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raises ValueError naming the field and the allowed values."""
-        for name, what in NOT_YET_SUPPORTED.items():
+        for name, feature in NOT_YET_SUPPORTED.items():
             value = getattr(self, name)
             if _is_concrete(value) and _differs(value, HF_DEFAULTS[name]):
-                raise ValueError(f"`{name}`={value!r}: {what} is not supported yet "
-                                 f"(allowed: {HF_DEFAULTS[name]!r})")
-        if not isinstance(self.do_sample, (bool, np.bool_)):
-            raise ValueError(f"`do_sample` must be True or False, got {self.do_sample!r}")
-        for name in ("max_new_tokens", "max_length"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
-        if (not isinstance(self.num_beams, (int, np.integer)) or isinstance(self.num_beams, bool)
-                or self.num_beams < 1):
-            raise ValueError(f"`num_beams` must be an int >= 1, got {self.num_beams!r}")
-        if self.max_time is not None and (isinstance(self.max_time, bool) or not isinstance(
-                self.max_time, (int, float, np.floating, np.integer)) or not self.max_time > 0):
+                default = HF_DEFAULTS[name]
+                allowed = "None (unset)" if default is None else f"{default!r} or None (unset)"
+                raise ValueError(f"`{name}`={value!r} applies to {feature}, which jaxgen does "
+                                 f"not support yet (allowed: {allowed})")
+        check_bool("do_sample", self.do_sample)
+        for name in ("output_scores", "output_logits", "return_dict_in_generate"):
+            check_bool(name, getattr(self, name))
+        check_int("max_new_tokens", self.max_new_tokens, low=1, allow_none=True)
+        check_int("max_length", self.max_length, low=1)
+        check_int("num_beams", self.num_beams, low=1)
+        check_int("max_cache_len", self.max_cache_len, low=1, allow_none=True,
+                  allowed="an int >= 1 (the token buffer: prompt + new tokens) or None")
+        check_int("prefill_chunk_size", self.prefill_chunk_size, low=1, allow_none=True,
+                  allowed="an int >= 1 (positions per prefill chunk) or None (no chunking)")
+        if self.max_time is not None and (
+                isinstance(self.max_time, (bool, np.bool_))
+                or not isinstance(self.max_time, (int, float, np.floating, np.integer))
+                or not self.max_time > 0):
             raise ValueError(f"`max_time` must be a number of seconds > 0 (or None), got "
                              f"{self.max_time!r}")
         self._validate_beam_fields()
         self._validate_processor_fields()
         self._validate_cache_fields()
         self._validate_assisted_fields()
-        _check_range("temperature", self.temperature, low=0.0, allowed="a float >= 0")
-        if self.do_sample and _is_concrete(self.temperature) and (_values(self.temperature) == 0).any():
-            raise ValueError("`temperature`=0 with do_sample=True is undefined; use do_sample=False "
-                             "for greedy decoding (allowed: temperature > 0)")
-        _check_range("top_p", self.top_p, low=0.0, high=1.0, low_open=True,
-                     allowed="a float in (0, 1]")
-        if self.top_k is not None and _is_concrete(self.top_k):
-            top_k = np.asarray(self.top_k)
-            if not np.issubdtype(top_k.dtype, np.integer) or (top_k < 0).any():
-                raise ValueError(f"`top_k` must be an int >= 0 (0 disables it), got {self.top_k!r}")
-        if self.pad_token_id is not None and (not isinstance(self.pad_token_id, (int, np.integer))
-                                              or self.pad_token_id < 0):
-            raise ValueError(f"`pad_token_id` must be a non-negative int, got {self.pad_token_id!r}")
-        if self.bos_token_id is not None and (not isinstance(self.bos_token_id, (int, np.integer))
-                                              or self.bos_token_id < 0):
-            raise ValueError(f"`bos_token_id` must be a non-negative int, got {self.bos_token_id!r}")
+        check_float("temperature", self.temperature, low=0.0, allowed="a float >= 0")
+        if (self.do_sample and _is_concrete(self.temperature)
+                and (_values(self.temperature) == 0).any()):
+            raise ValueError("`temperature`=0 with do_sample=True is undefined; use "
+                             "do_sample=False for greedy decoding (allowed: temperature > 0)")
+        check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True,
+                    allowed="a float in (0, 1]")
+        check_int("top_k", self.top_k, per_row=True, allowed="an int >= 0 (0 disables it)")
+        for name in ("pad_token_id", "bos_token_id"):
+            check_int(name, getattr(self, name), allow_none=True,
+                      allowed="a non-negative int or None")
         if self.use_cache is not True:
             raise ValueError("`use_cache` must be True (jaxgen always decodes with a KV cache)")
 
@@ -346,10 +383,9 @@ class GenerationConfig:
                 or self.early_stopping == "never"):
             raise ValueError(f"`early_stopping` must be True, False or 'never', got "
                              f"{self.early_stopping!r}")
-        _check_range("length_penalty", self.length_penalty, allowed="a finite float")
+        check_float("length_penalty", self.length_penalty, allowed="a finite float")
+        check_int("num_return_sequences", self.num_return_sequences, low=1)
         returns = self.num_return_sequences
-        if not isinstance(returns, (int, np.integer)) or isinstance(returns, bool) or returns < 1:
-            raise ValueError(f"`num_return_sequences` must be an int >= 1, got {returns!r}")
         if returns > 1 and self.num_beams == 1 and not self.do_sample:
             raise ValueError(f"greedy decoding (do_sample=False, num_beams=1) does not support "
                              f"`num_return_sequences` > 1 (got {returns}); set num_beams >= "
@@ -363,27 +399,20 @@ class GenerationConfig:
 
     def _validate_assisted_fields(self) -> None:
         """Assisted / speculative decoding fields (jaxgen.speculative)."""
-        def int_at_least(name, value, low, allow_none):
-            if value is None and allow_none:
-                return
-            if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-                    or value < low):
-                raise ValueError(f"`{name}` must be an int >= {low}"
-                                 f"{' or None' if allow_none else ''}, got {value!r}")
-        int_at_least("num_assistant_tokens", self.num_assistant_tokens, 1, False)
-        int_at_least("max_assistant_tokens", self.max_assistant_tokens, 1, True)
-        int_at_least("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens, 1, True)
-        int_at_least("max_matching_ngram_size", self.max_matching_ngram_size, 1, True)
+        check_int("num_assistant_tokens", self.num_assistant_tokens, low=1)
+        for name in ("max_assistant_tokens", "prompt_lookup_num_tokens",
+                     "max_matching_ngram_size"):
+            check_int(name, getattr(self, name), low=1, allow_none=True)
         if self.num_assistant_tokens_schedule not in ASSISTANT_SCHEDULES:
             raise ValueError(f"`num_assistant_tokens_schedule` must be one of "
                              f"{list(ASSISTANT_SCHEDULES)}, got "
                              f"{self.num_assistant_tokens_schedule!r}")
-        _check_range("assistant_ensemble_weight", self.assistant_ensemble_weight, low=0.0,
-                     high=1.0, low_open=True, high_open=True,
-                     allowed="a float in the open interval (0, 1) (None: lossless "
-                             "speculative decoding)")
-        _check_range("assistant_confidence_threshold", self.assistant_confidence_threshold,
-                     low=0.0, high=1.0, allowed="a float in [0, 1] (0 or None disables it)")
+        check_float("assistant_ensemble_weight", self.assistant_ensemble_weight, low=0.0,
+                    high=1.0, low_open=True, high_open=True,
+                    allowed="a float in the open interval (0, 1) (None: lossless "
+                            "speculative decoding)")
+        check_float("assistant_confidence_threshold", self.assistant_confidence_threshold,
+                    low=0.0, high=1.0, allowed="a float in [0, 1] (0 disables it)")
         if self.prompt_lookup_num_tokens is not None:
             if self.num_beams > 1:
                 raise ValueError(f"prompt lookup decoding (`prompt_lookup_num_tokens`="
@@ -408,17 +437,23 @@ class GenerationConfig:
 
     def _validate_processor_fields(self) -> None:
         """Logits-processor and stopping fields (jaxgen.processors, jaxgen.stopping)."""
-        from jaxgen import config_checks
         config_checks.validate_processor_fields(self)
 
     def vmap_axes(self, **axes: int | None) -> "GenerationConfig":
         """An `in_axes` tree for `jax.vmap` over this config's dynamic fields.
 
-        Example:
-            >>> cfg = GenerationConfig(do_sample=True, temperature=jnp.array([0.5, 1.0]))
-            >>> sweep = jax.vmap(lambda c: jaxgen.generate(params, state, c).sequences,
-            ...                  in_axes=(cfg.vmap_axes(temperature=0),))
         Fields not named are broadcast (None). Only dynamic fields that are set can be mapped.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> from jaxgen import GenerationConfig
+            >>> cfg = GenerationConfig(do_sample=True, temperature=jnp.array([0.5, 1.0]))
+            >>> axes = cfg.vmap_axes(temperature=0)
+            >>> jax.vmap(lambda c: c.temperature * 2, in_axes=(axes,))(cfg).tolist()
+            [1.0, 2.0]
+
+        With a model, `jax.vmap(lambda c: jaxgen.generate(params, state, c).sequences,
+        in_axes=(axes,))(cfg)` sweeps the values in one compiled program.
         """
         for name, axis in axes.items():
             if name not in DYNAMIC_FIELDS:
@@ -431,9 +466,37 @@ class GenerationConfig:
         return _unflatten(aux, [axes.get(name) if value is not None else None
                                 for name, value in zip(DYNAMIC_FIELDS, leaves)])
 
+    def validate_for_batch(self, batch: int) -> None:
+        """Checks the per-row dynamic values against the batch: each is one value (a scalar)
+        or one value per row (1-D, length `batch`). Raises ValueError naming the field.
+
+        Only shapes are read, so traced values (inside `jax.vmap` / `jax.jit`) are checked
+        too: under `vmap` a mapped field holds its per-call value.
+
+        Example:
+            >>> from jaxgen import GenerationConfig
+            >>> cfg = GenerationConfig(do_sample=True, temperature=[0.5, 0.7, 0.9])
+            >>> cfg.validate_for_batch(3)
+            >>> cfg.validate_for_batch(2)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ValueError: `temperature` has 3 values but the batch has 2 rows; pass one value or ...
+        """
+        check_int("batch", batch, low=1)
+        for name in DYNAMIC_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            shape = tuple(np.shape(value))
+            if len(shape) == 0 or shape == (batch,):
+                continue
+            if len(shape) == 1:
+                raise ValueError(f"`{name}` has {shape[0]} values but the batch has {batch} "
+                                 f"rows; pass one value or one per row")
+            raise ValueError(f"`{name}` has shape {shape} but a per-row value is 1-D (the "
+                             f"batch has {batch} rows); pass one value or one per row")
+
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks the token ids the config names against the vocabulary."""
-        from jaxgen import config_checks
         config_checks.validate_processor_ids(self, vocab_size)
         for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
             value = getattr(self, name)
@@ -442,6 +505,16 @@ class GenerationConfig:
                 if token >= vocab_size:
                     raise ValueError(f"`{name}`={value!r} is outside the vocabulary "
                                      f"(allowed: 0..{vocab_size - 1})")
+
+
+def _refuse_unsupported(key: str, value) -> None:
+    """A HF_FIELDS_UNSUPPORTED field: None and its neutral values pass, anything else raises."""
+    neutral, why = HF_FIELDS_UNSUPPORTED[key]
+    if value is None or any(_same(value, v) for v in neutral):
+        return
+    allowed = " or ".join([repr(v) for v in neutral] + ["None (unset)"])
+    raise ValueError(f"`{key}`={value!r} is not supported by jaxgen: {why} (allowed: "
+                     f"{allowed})")
 
 
 def _freeze(value):
@@ -455,12 +528,34 @@ def _freeze(value):
 
 
 def _differs(value, default) -> bool:
+    """Whether `value` (a scalar or per-row array) is anywhere other than `default`."""
     if value is None or default is None:
         return value is not default
     try:
         return bool(np.any(np.asarray(value) != np.asarray(default)))
     except (TypeError, ValueError):
-        return value != default
+        return bool(value != default)
+
+
+def _same(a, b) -> bool:
+    """Equal values of the same shape (a per-row [0.5, 0.5] is not 0.5). Floats compare as
+    float32, the dtype jaxgen computes in (a list and a float32 jax array can be equal)."""
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, (bool, np.bool_)) != isinstance(b, (bool, np.bool_)):
+        return False
+    try:
+        x, y = np.asarray(a), np.asarray(b)
+        if x.dtype.kind in "biuf" and y.dtype.kind in "biuf":
+            if "f" in (x.dtype.kind, y.dtype.kind):
+                x, y = x.astype(np.float32), y.astype(np.float32)
+            return x.shape == y.shape and bool(np.all(x == y))
+    except (TypeError, ValueError, OverflowError):
+        pass
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
 
 
 def _flatten(cfg: GenerationConfig):

@@ -1,13 +1,21 @@
-"""Eager validation of the logits-processor and stopping fields of `GenerationConfig`.
+"""Eager validation of the fields of `GenerationConfig`: the shared checks (ints, floats,
+token ids) and the logits-processor and stopping fields.
 
 Every error is a ValueError that names the field and the allowed values, raised when the
 config is built (or, for token ids, when `init_state` sees the model's vocabulary), before
 anything is compiled. Traced values (inside `jax.vmap`) are not checked.
 
+jaxgen computes in int32 and float32: an int past 2**31 - 1 or a float past float32's
+largest finite value is refused here rather than overflowing later.
+
 Example:
+    >>> from jaxgen import GenerationConfig
     >>> GenerationConfig(min_p=1.5)
     Traceback (most recent call last):
     ValueError: `min_p` must be a float in [0, 1] (None disables it), got 1.5
+    >>> GenerationConfig(max_new_tokens=2**31)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: `max_new_tokens`=2147483648 is past the int32 range ...: at most 2**31 - 1 ...
 """
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ import jax
 import numpy as np
 
 FILTER_IMPLS = ("search", "sort")
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _concrete(value) -> bool:
@@ -28,46 +38,111 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _range(name: str, value, *, low=None, high=None, low_open=False, high_open=False,
-           allowed: str) -> None:
+def check_int(name: str, value, *, low: int = 0, allowed: str | None = None,
+              allow_none: bool = False, per_row: bool = False, shown: str | None = None) -> None:
+    """The one int check: `value` is an int in [low, 2**31 - 1] (jaxgen computes in int32).
+
+    allow_none: None is accepted. per_row: an int array (or a list of ints) is accepted too,
+    each value checked. Traced values are not checked. `allowed` describes the valid values
+    in the message (default "an int >= low"); `shown` replaces the repr of `value` after
+    "got" (e.g. "the entry [1, -2]" for one element of a list field).
+
+    Example:
+        >>> from jaxgen.config_checks import check_int
+        >>> check_int("top_k", 10**12)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: `top_k`=1000000000000 is past the int32 range ... (allowed: an int >= 0)
+    """
+    if allowed is None:
+        allowed = f"an int >= {low}" + (" or None" if allow_none else "")
+    custom = shown is not None
+    shown = repr(value) if shown is None else shown
+    if value is None:
+        if allow_none:
+            return
+        raise ValueError(f"`{name}` must be {allowed}, got {shown}")
+    if not _concrete(value):
+        return
+    if _is_int(value):
+        values = [int(value)]
+    elif per_row and not isinstance(value, (str, bytes, dict)):
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"`{name}` must be {allowed}, got {shown}") from None
+        if array.dtype.kind in "iu":
+            values = [int(array.min()), int(array.max())] if array.size else []
+        elif array.dtype == object and all(_is_int(v) for v in array.reshape(-1)):
+            values = [int(v) for v in array.reshape(-1)]
+        else:
+            raise ValueError(f"`{name}` must be {allowed}, got {shown}")
+        custom = True
+    else:
+        raise ValueError(f"`{name}` must be {allowed}, got {shown}")
+    if any(v < low for v in values):
+        raise ValueError(f"`{name}` must be {allowed}, got {shown}")
+    if any(v > INT32_MAX for v in values):
+        what = f" ({shown}) holds {max(values)}, which" if custom else f"={shown}"
+        raise ValueError(f"`{name}`{what} is past the int32 range jaxgen computes in: at most "
+                         f"2**31 - 1 = {INT32_MAX} (allowed: {allowed})")
+
+
+def check_float(name: str, value, *, low=None, high=None, low_open=False, high_open=False,
+                allowed: str, shown: str | None = None) -> None:
+    """A float (or, for the dynamic fields, a per-row array of floats) in a range, finite in
+    float32. None and traced values are not checked. `shown` as in `check_int`."""
     if value is None or not _concrete(value):
         return
+    shown = repr(value) if shown is None else shown
+    if isinstance(value, (str, bytes, dict)):
+        raise ValueError(f"`{name}` must be {allowed}, got {shown}")
     try:
-        values = np.asarray(value, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}") from None
+        array = np.asarray(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"`{name}` must be {allowed}, got {shown}") from None
+    if array.dtype.kind not in "iuf" and not (
+            array.dtype == object and all(_is_int(v) or isinstance(v, float)
+                                          for v in array.reshape(-1))):
+        raise ValueError(f"`{name}` must be {allowed}, got {shown}")
+    try:
+        values = array.astype(np.float64).reshape(-1)
+    except OverflowError:  # an int too large for a float
+        values = np.array([math.inf])
     bad = ~np.isfinite(values)
     if low is not None:
         bad |= (values <= low) if low_open else (values < low)
     if high is not None:
         bad |= (values >= high) if high_open else (values > high)
     if bad.any():
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+        raise ValueError(f"`{name}` must be {allowed}, got {shown}")
+    if (np.abs(values) > FLOAT32_MAX).any():
+        raise ValueError(f"`{name}`={shown} overflows float32, the dtype jaxgen computes in "
+                         f"(allowed: {allowed}, at most {FLOAT32_MAX:.4g} in magnitude)")
 
 
-def _int_field(name: str, value, *, allow_none: bool, allowed: str) -> None:
-    if value is None:
-        if allow_none:
-            return
-        raise ValueError(f"`{name}` must be {allowed}, got None")
-    if not _concrete(value):
-        return
-    array = np.asarray(value)
-    if (array.dtype == bool or not np.issubdtype(array.dtype, np.integer)
-            or (array < 0).any()):
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+
+
+def _token_ids(name: str, ids, allowed: str, shown: str) -> tuple[int, ...]:
+    """Each of `ids` is a token id in [0, 2**31 - 1]; returns them as a tuple of ints."""
+    for token in ids:
+        check_int(name, token, low=0, allowed=allowed, shown=shown)
+    return tuple(int(t) for t in ids)
 
 
 def _id_list(name: str, value, *, allow_int: bool = False) -> tuple[int, ...]:
-    allowed = "a list of non-negative token ids" + (" (or one id)" if allow_int else "")
+    allowed = "a non-empty list of non-negative token ids" + (" (or one id)" if allow_int else "")
     if allow_int and _is_int(value):
-        value = [value]
+        check_int(name, value, allowed=allowed)
+        return (int(value),)
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
     ids = list(value)
-    if not ids or any(not _is_int(t) or t < 0 for t in ids):
-        raise ValueError(f"`{name}` must be {allowed} (non-empty), got {value!r}")
-    return tuple(int(t) for t in ids)
+    if not ids:
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+    return _token_ids(name, ids, allowed, repr(value))
 
 
 def _sequence_bias_pairs(value) -> list[tuple[tuple[int, ...], Any]]:
@@ -86,69 +161,68 @@ def _sequence_bias_pairs(value) -> list[tuple[tuple[int, ...], Any]]:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError(f"`sequence_bias` must be {allowed}, got the entry {pair!r}")
         ids, bias = pair
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or not list(ids):
             raise ValueError(f"`sequence_bias` must be {allowed}, got the entry {pair!r}")
-        ids = list(ids)
-        if not ids or any(not _is_int(t) or t < 0 for t in ids):
-            raise ValueError(f"`sequence_bias` must be {allowed}, got the entry {pair!r}")
-        if (isinstance(bias, bool) or not isinstance(bias, (int, float, np.floating, np.integer))
-                or math.isnan(float(bias))):
+        ids = _token_ids("sequence_bias", list(ids), allowed, f"the entry {pair!r}")
+        if (isinstance(bias, (bool, np.bool_))
+                or not isinstance(bias, (int, float, np.floating, np.integer))
+                or math.isnan(float(bias))):  # +-inf is a valid bias (bans / forces)
             raise ValueError(f"`sequence_bias` must be {allowed}, got the bias {bias!r}")
-        out.append((tuple(int(t) for t in ids), bias))
+        out.append((ids, bias))
     return out
 
 
 def validate_processor_fields(cfg) -> None:
     """Checks (and normalises) the processor / stopping fields of a GenerationConfig."""
     set_ = lambda k, v: object.__setattr__(cfg, k, v)  # noqa: E731
-    _range("repetition_penalty", cfg.repetition_penalty, low=0.0, low_open=True,
-           allowed="a float > 0 (1.0 disables it)")
+    check_float("repetition_penalty", cfg.repetition_penalty, low=0.0, low_open=True,
+                allowed="a float > 0 (1.0 disables it)")
     for name in ("presence_penalty", "frequency_penalty"):
-        _range(name, getattr(cfg, name), low=-2.0, high=2.0,
-               allowed="a float in [-2, 2] (0.0 disables it)")
-    _range("min_p", cfg.min_p, low=0.0, high=1.0, allowed="a float in [0, 1] (None disables it)")
-    _range("typical_p", cfg.typical_p, low=0.0, high=1.0, low_open=True,
-           allowed="a float in (0, 1] (1.0 disables it)")
+        check_float(name, getattr(cfg, name), low=-2.0, high=2.0,
+                    allowed="a float in [-2, 2] (0.0 disables it)")
+    check_float("min_p", cfg.min_p, low=0.0, high=1.0,
+                allowed="a float in [0, 1] (None disables it)")
+    check_float("typical_p", cfg.typical_p, low=0.0, high=1.0, low_open=True,
+                allowed="a float in (0, 1] (1.0 disables it)")
     for name in ("epsilon_cutoff", "eta_cutoff"):
-        _range(name, getattr(cfg, name), low=0.0, high=1.0, high_open=True,
-               allowed="a float in [0, 1) (0.0 disables it)")
-    _int_field("min_length", cfg.min_length, allow_none=False, allowed="an int >= 0")
-    _int_field("min_new_tokens", cfg.min_new_tokens, allow_none=True,
-               allowed="an int >= 0 or None")
-    if not _is_int(cfg.no_repeat_ngram_size) or cfg.no_repeat_ngram_size < 0:
-        raise ValueError(f"`no_repeat_ngram_size` must be an int >= 0 (0 disables it), got "
-                         f"{cfg.no_repeat_ngram_size!r}")
+        check_float(name, getattr(cfg, name), low=0.0, high=1.0, high_open=True,
+                    allowed="a float in [0, 1) (0.0 disables it)")
+    check_int("min_length", cfg.min_length, per_row=True)
+    check_int("min_new_tokens", cfg.min_new_tokens, allow_none=True, per_row=True)
+    check_int("no_repeat_ngram_size", cfg.no_repeat_ngram_size,
+              allowed="an int >= 0 (0 disables it)")
     if cfg.bad_words_ids is not None:
         value = cfg.bad_words_ids
         allowed = "a non-empty list of non-empty lists of non-negative token ids"
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
             raise ValueError(f"`bad_words_ids` must be {allowed}, got {value!r}")
         for seq in value:
-            if (isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)) or not seq
-                    or any(not _is_int(t) or t < 0 for t in seq)):
+            if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)) or not seq:
                 raise ValueError(f"`bad_words_ids` must be {allowed}, got the entry {seq!r}")
+            _token_ids("bad_words_ids", seq, allowed, f"the entry {seq!r}")
     if cfg.sequence_bias is not None:
         _sequence_bias_pairs(cfg.sequence_bias)
-    if cfg.forced_bos_token_id is not None and (not _is_int(cfg.forced_bos_token_id)
-                                                or cfg.forced_bos_token_id < 0):
-        raise ValueError(f"`forced_bos_token_id` must be a non-negative token id, got "
-                         f"{cfg.forced_bos_token_id!r}")
+    check_int("forced_bos_token_id", cfg.forced_bos_token_id, allow_none=True,
+              allowed="a non-negative token id or None")
     if cfg.forced_eos_token_id is not None:
         _id_list("forced_eos_token_id", cfg.forced_eos_token_id, allow_int=True)
     for name in ("suppress_tokens", "begin_suppress_tokens"):
         if getattr(cfg, name) is not None:
             _id_list(name, getattr(cfg, name))
     for name in ("remove_invalid_values", "renormalize_logits"):
-        if not isinstance(getattr(cfg, name), (bool, np.bool_)):
-            raise ValueError(f"`{name}` must be True or False, got {getattr(cfg, name)!r}")
+        check_bool(name, getattr(cfg, name))
     decay = cfg.exponential_decay_length_penalty
     if decay is not None:
-        if (not isinstance(decay, (list, tuple)) or len(decay) != 2 or not _is_int(decay[0])
-                or decay[0] < 0 or isinstance(decay[1], bool)
-                or not isinstance(decay[1], (int, float, np.floating))
-                or not math.isfinite(float(decay[1])) or float(decay[1]) <= 0):
-            raise ValueError(f"`exponential_decay_length_penalty` must be a pair (start_index: "
-                             f"int >= 0, decay_factor: float > 0), got {decay!r}")
+        allowed = "a pair (start_index: int >= 0, decay_factor: float > 0)"
+        if (not isinstance(decay, (list, tuple)) or len(decay) != 2
+                or isinstance(decay[1], (bool, np.bool_))
+                or not isinstance(decay[1], (int, float, np.floating, np.integer))):
+            raise ValueError(f"`exponential_decay_length_penalty` must be {allowed}, got "
+                             f"{decay!r}")
+        check_int("exponential_decay_length_penalty", decay[0], allowed=allowed,
+                  shown=repr(decay))
+        check_float("exponential_decay_length_penalty", decay[1], low=0.0, low_open=True,
+                    allowed=allowed, shown=repr(decay))
         set_("exponential_decay_length_penalty", (int(decay[0]), float(decay[1])))
     strings = cfg.stop_strings
     if strings is not None:

@@ -1,7 +1,20 @@
 """The greedy / multinomial-sampling loop: prefill, then `lax.while_loop` one token a step.
 
-Body = forward -> processors -> select -> write -> stop checks (DESIGN s.4). Everything
-here is traced inside one `jax.jit`; nothing runs in Python per step.
+Body = one-token forward -> processors -> choose -> write if live -> stop flags, built from
+the shared step pieces (jaxgen.step). Everything here is traced inside one `jax.jit`;
+nothing runs in Python per step.
+
+Example:
+    >>> import jax, jaxgen
+    >>> from jaxgen.models import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
+    >>> params = model.init_params(jax.random.key(0))
+    >>> cfg = jaxgen.GenerationConfig(max_new_tokens=3)
+    >>> state = jaxgen.init_state(model, [[1, 2, 3]], cfg)
+    >>> final, record = DecodeLoop().run_loop(params, state, cfg)
+    >>> int(final.length[0]), record.token_logprobs.shape
+    (6, (1, 3))
 """
 from __future__ import annotations
 
@@ -10,76 +23,29 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxgen import stopping
 from jaxgen.config import GenerationConfig
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
-from jaxgen.processors import ProcessorContext, process_logits
-from jaxgen.sampling import select_tokens, token_logprobs
+from jaxgen.output import GenerateOutput, StepRecord
+from jaxgen.sampling import token_logprobs
 from jaxgen.state import DecodeState
-from jaxgen.stopping_strings import stop_string_hit
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """Per-step outputs, indexed by step number i (the i-th new token of every row)."""
-
-    token_logprobs: jax.Array  # float32 [B, N]
-    scores: jax.Array | None  # float32 [B, N, V] processed scores (output_scores)
-    logits: jax.Array | None  # float32 [B, N, V] raw logits (output_logits)
-
-    @classmethod
-    def empty(cls, batch: int, steps: int, vocab: int, cfg: GenerationConfig) -> "StepRecord":
-        full = lambda on: jnp.zeros((batch, steps, vocab), jnp.float32) if on else None  # noqa: E731
-        return cls(token_logprobs=jnp.zeros((batch, steps), jnp.float32),
-                   scores=full(cfg.output_scores), logits=full(cfg.output_logits))
-
-    def write(self, step, logprobs, scores, logits) -> "StepRecord":
-        put = lambda buf, value: None if buf is None else buf.at[:, step].set(value)  # noqa: E731
-        return StepRecord(token_logprobs=self.token_logprobs.at[:, step].set(logprobs),
-                          scores=put(self.scores, scores), logits=put(self.logits, logits))
-
-
-def prefill(params, state: DecodeState) -> tuple[DecodeState, jax.Array]:
-    """Runs the prompt bucket through the model; returns the state and the next logits [B, V]."""
-    model = state.model
-    bucket = state.prompt_bucket
-    prompt = state.tokens[:, :bucket]  # [B, P]
-    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), prompt.shape)  # [B, P]
-    last = (state.prompt_len - 1)[:, None]  # [B, 1]
-    out = model(params, prompt, positions, state.cache, logits_index=last)
-    cache = out.cache.with_length(state.prompt_len)
-    return state.replace(cache=cache), out.logits[:, 0].astype(jnp.float32)  # [B, V]
+from jaxgen.step import (choose, forward_last, mark_done, prefill, state_context, stop_flags,
+                         write_if_live)
 
 
 def choose_and_write(cfg: GenerationConfig, state: DecodeState, raw_logits: jax.Array,
                      record: StepRecord, step, ext: Extensions = NO_EXTENSIONS
                      ) -> tuple[DecodeState, StepRecord]:
     """Processes logits [B, V], picks a token per live row, writes it and updates stops."""
-    batch = state.batch
-    ctx = ProcessorContext(tokens=state.tokens, length=state.length, prompt_len=state.prompt_len,
-                           max_new=state.max_new)
-    scores = process_logits(cfg, raw_logits, ctx, extra=ext.logits_processor)  # [B, V]
-    chosen = select_tokens(scores, state.key, state.length, do_sample=cfg.do_sample)  # [B]
+    scores, chosen = choose(cfg, raw_logits, state_context(state), state.key, ext)  # [B, V], [B]
     live = ~state.done  # [B]
     chosen = jnp.where(live, chosen, state.pad_token_id)  # [B]
-    rows = jnp.arange(batch)
-    tokens = state.tokens.at[rows, state.length].set(
-        jnp.where(live, chosen, state.tokens[rows, jnp.minimum(state.length, state.buffer_len - 1)]),
-        mode="drop")  # [B, T]
+    tokens = write_if_live(state.tokens, state.length, chosen, live)  # [B, T]
     length = state.length + live.astype(jnp.int32)  # [B]
-    newly_eos = live & stopping.hit_eos(chosen, cfg.eos_ids)  # [B]
-    newly_full = live & stopping.out_of_budget(length, state.prompt_len, state.max_new,
-                                               state.buffer_len)  # [B]
-    newly_string = newly_custom = None
-    if state.stop_tables is not None:
-        newly_string = live & stop_string_hit(state.stop_tables, tokens, length)  # [B]
-    if ext.stopping_criteria:
-        after = ProcessorContext(tokens=tokens, length=length, prompt_len=state.prompt_len,
-                                 max_new=state.max_new)
-        newly_custom = live & stopping.custom_stop(ext.stopping_criteria, after, scores)  # [B]
-    done, reason = stopping.update_stop(state.done, state.stop_reason, newly_eos, newly_full,
-                                        newly_string, newly_custom)
+    flags = stop_flags(cfg, tokens=tokens, new_length=length, token=chosen,
+                       prompt_len=state.prompt_len, max_new=state.max_new,
+                       buffer_len=state.buffer_len, stop_tables=state.stop_tables, ext=ext,
+                       scores=scores, raw_logits=raw_logits)
+    done, reason = mark_done(state.done, state.stop_reason, flags, live)
     record = record.write(step, token_logprobs(scores, chosen), scores, raw_logits)
     return state.replace(tokens=tokens, length=length, done=done, stop_reason=reason), record
 
@@ -88,32 +54,20 @@ def decode_start(params, state: DecodeState, cfg: GenerationConfig,
                  ext: Extensions = NO_EXTENSIONS) -> tuple[DecodeState, StepRecord]:
     """Empty step records, the prefill and the first new token (step 0) of every row.
 
-    Every loop starts here: this one, the chunked driver and the assisted loop.
+    The plain loop, its chunked form and the assisted loop start here; beam search runs
+    the same prefill (jaxgen.step.prefill) and then expands the rows to beams.
     """
-    steps = state.buffer_len - state.prompt_bucket
-    record = StepRecord.empty(state.batch, max(steps, 1), state.model.vocab_size, cfg)
-    state, logits = prefill(params, state)
+    record = StepRecord.for_state(state, cfg)
+    state, logits = prefill(params, state, cfg.prefill_chunk_size)
     return choose_and_write(cfg, state, logits, record, 0, ext)
-
-
-def decode_loop(params, state: DecodeState, cfg: GenerationConfig,
-                ext: Extensions = NO_EXTENSIONS) -> tuple[DecodeState, StepRecord]:
-    """Prefill + while_loop until every row is done. Returns the final state and records."""
-    state, record = decode_start(params, state, cfg, ext)
-    steps = state.buffer_len - state.prompt_bucket
-    _, state, record = decode_steps(params, state, cfg, record, 1, steps, ext)
-    return state, record
 
 
 def decode_step(params, cfg: GenerationConfig, ext: Extensions = NO_EXTENSIONS):
     """The loop body: (step, state, record) -> (step + 1, state, record), one token a row."""
     def body(carry):
         step, st, rec = carry
-        position = jnp.maximum(st.length - 1, 0)  # [B] the token not yet in the cache
-        last = jnp.take_along_axis(st.tokens, position[:, None], axis=1)  # [B, 1]
-        out = st.model(params, last, position[:, None], st.cache)
-        st = st.replace(cache=out.cache.with_length(st.length))
-        st, rec = choose_and_write(cfg, st, out.logits[:, 0].astype(jnp.float32), rec, step, ext)
+        logits, cache = forward_last(st.model, params, st.tokens, st.length, st.cache)
+        st, rec = choose_and_write(cfg, st.replace(cache=cache), logits, rec, step, ext)
         return step + 1, st, rec
     return body
 
@@ -122,8 +76,7 @@ def decode_steps(params, state: DecodeState, cfg: GenerationConfig, record: Step
                  stop, ext: Extensions = NO_EXTENSIONS):
     """Runs `decode_step` for steps start..stop-1 (fewer once every row is done).
 
-    Returns (next step, state, record). Chunked drivers (jaxgen.growing, streaming) call this
-    N steps per jit call; `decode_loop` calls it once for the whole budget.
+    Returns (next step, state, record).
     """
     def cond(carry):
         step, st, _ = carry
@@ -131,3 +84,36 @@ def decode_steps(params, state: DecodeState, cfg: GenerationConfig, record: Step
 
     return jax.lax.while_loop(cond, decode_step(params, cfg, ext),
                               (jnp.asarray(start, jnp.int32), state, record))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoop:
+    """Greedy / sampling as a loop the plan can run in one call or in chunks (static).
+
+    start(params, state, cfg, inputs)                 -> (state, record)   prefill + step 0
+    advance(params, state, record, begin, end, cfg, inputs) -> (state, record) steps begin..end-1
+    output(state, record)                             -> GenerateOutput
+    """
+
+    ext: Extensions = NO_EXTENSIONS
+    chunkable = True
+
+    def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
+        return decode_start(params, state, cfg, self.ext)
+
+    def advance(self, params, state: DecodeState, record: StepRecord, begin, end,
+                cfg: GenerationConfig, inputs=None):
+        _, state, record = decode_steps(params, state, cfg, record, begin, end, self.ext)
+        return state, record
+
+    def run_loop(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
+        """Prefill + every step until each row is done: (final state, records)."""
+        state, record = self.start(params, state, cfg, inputs)
+        return self.advance(params, state, record, 1, state.buffer_len - state.prompt_bucket,
+                            cfg, inputs)
+
+    def output(self, state: DecodeState, record: StepRecord) -> GenerateOutput:
+        return GenerateOutput.from_state(state, record)
+
+    def run(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
+        return self.output(*self.run_loop(params, state, cfg, inputs))

@@ -17,10 +17,10 @@ follow the real length: at most max(2 x needed, C0). The token buffer [B, T] kee
 static length (int32, small next to the cache). The loop is the streaming driver's
 (jaxgen.chunked.run_chunked); `on_chunk` sees the state before every decode chunk.
 
-Example:
-    >>> cfg = GenerationConfig(max_new_tokens=512, cache_implementation="dynamic",
+Example (illustration; `jaxgen.generate` runs this driver for the "dynamic" kind):
+    >>> cfg = GenerationConfig(max_new_tokens=512, cache_implementation="dynamic",  # doctest: +SKIP
     ...                        cache_config={"initial_length": 64, "chunk_size": 32})
-    >>> out = jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg), cfg)
+    >>> out = jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg), cfg)  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ import jax
 import numpy as np
 
 from jaxgen.cache import validate_cache_config
-from jaxgen.config import GenerationConfig
 from jaxgen.chunked import run_chunked
+from jaxgen.config import GenerationConfig
+from jaxgen.decode import DecodeLoop
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
-from jaxgen.state import DecodeState, _next_pow2
+from jaxgen.state import DecodeState, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,28 +54,14 @@ def grow(state: DecodeState, needed: int) -> DecodeState:
     capacity = state.cache.max_len
     if capacity >= needed:
         return state
-    new = min(max(2 * capacity, _next_pow2(needed)), state.buffer_len)
+    new = min(max(2 * capacity, next_pow2(needed)), state.buffer_len)
     return state.replace(cache=state.cache.resize(new))
 
 
-def run_growing(params, state: DecodeState, cfg: GenerationConfig,
-                ext: Extensions = NO_EXTENSIONS, *, chunk_size: int | None = None,
-                on_chunk: Callable[[DecodeState, ChunkInfo], None] | None = None,
-                **chunked_options):
-    """Decodes `state` to completion, growing its cache between jitted chunks.
-
-    The loop itself is jaxgen.chunked.run_chunked (so streamers, max_time and cancellation
-    work here too: pass them in `chunked_options`); this module only supplies the hook that
-    re-allocates the cache before a chunk that would not fit.
-    cfg must already be canonical (jaxgen.generate.canonical_config). Consumes `state`.
-    Returns (final state, StepRecord, [ChunkInfo, ...]).
-    """
-    if not hasattr(state.cache, "resize"):
-        raise ValueError(f"the {type(state.cache).__name__} cannot grow; build the state with "
-                         f"cache_implementation='dynamic'")
-    chunk = int(chunk_size or validate_cache_config("dynamic", cfg.cache_config)["chunk_size"])
-    log: list[ChunkInfo] = []
-
+def grow_before_chunks(cfg: GenerationConfig, log: list,
+                       on_chunk: Callable[[DecodeState, ChunkInfo], None] | None = None):
+    """The chunked driver's `prepare_chunk` hook for the growing cache: re-allocates the
+    cache before a chunk that would not fit and logs a ChunkInfo per chunk into `log`."""
     def prepare(st: DecodeState, step: int, steps: int) -> DecodeState:
         if step == 0:  # the prefill writes the whole prompt bucket
             longest = int(np.max(jax.device_get(st.prompt_len)))
@@ -88,11 +75,29 @@ def run_growing(params, state: DecodeState, cfg: GenerationConfig,
         if on_chunk is not None and step > 0:
             on_chunk(st, info)
         return st
-
-    final, record, _ = run_chunked(params, state, cfg, ext, chunk_size=chunk,
-                                   prepare_chunk=prepare, **chunked_options)
-    return final, record, log
+    return prepare
 
 
-def peak_cache_bytes(log: list[ChunkInfo]) -> int:
-    return max((info.cache_bytes for info in log), default=0)
+def growing_chunk_size(cfg: GenerationConfig, chunk_size: int | None = None) -> int:
+    """Steps per jit call: chunk_size, else cache_config["chunk_size"] (default 64)."""
+    return int(chunk_size or validate_cache_config("dynamic", cfg.cache_config)["chunk_size"])
+
+
+def run_growing(params, state: DecodeState, cfg: GenerationConfig,
+                ext: Extensions = NO_EXTENSIONS, *, chunk_size: int | None = None,
+                on_chunk: Callable[[DecodeState, ChunkInfo], None] | None = None,
+                **chunked_options):
+    """Decodes `state` to completion (greedy / sampling), growing its cache between jitted
+    chunks. cfg must already be canonical (jaxgen.plan.canonical_config). Consumes `state`.
+
+    chunked_options: streamer / max_time / stop_event / timings for the chunked driver.
+    Returns (final state, GenerateOutput, [ChunkInfo, ...]).
+    """
+    if not hasattr(state.cache, "resize"):
+        raise ValueError(f"the {type(state.cache).__name__} cannot grow; build the state with "
+                         f"cache_implementation='dynamic'")
+    log: list[ChunkInfo] = []
+    out = run_chunked(DecodeLoop(ext), params, state, cfg, None,
+                      chunk_size=growing_chunk_size(cfg, chunk_size),
+                      prepare_chunk=grow_before_chunks(cfg, log, on_chunk), **chunked_options)
+    return out.state, out, log

@@ -4,15 +4,22 @@
     length      int32 [B]      next write index per row
     prompt_len  int32 [B]
     max_new     int32 [B]      per-row budget of new tokens (dynamic)
-    done        bool  [B]      padding-only rows start done
+    done        bool  [B]      rows still decoding are False (every row starts live)
     stop_reason int32 [B]      see jaxgen.stopping
-    cache       KVCache        static shapes; donated to the jit
+    cache       Cache          static shapes (jaxgen.cache); donated to the jit
     key         PRNG key [B]   one key per row; the step key is fold_in(row_key, position)
+    stop_tables                the stop-string tables (cfg.stop_strings), or None
+    spec                       the assisted loop's carry in a final state, or None
 
 The model and the prompt bucket are static (aux data), so `jaxgen.generate(params, state,
 cfg)` needs nothing else.
 
 Example:
+    >>> import jax
+    >>> from jaxgen.config import GenerationConfig
+    >>> from jaxgen.models import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
     >>> state = init_state(model, [[1, 2, 3], [4, 5]], GenerationConfig(max_new_tokens=4),
     ...                    jax.random.key(0))
     >>> state.tokens.shape      # prompt bucket 16 + 4 new tokens
@@ -21,14 +28,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.cache import KVCache
+from jaxgen.cache import Cache
 from jaxgen.config import GenerationConfig
+from jaxgen.stopping_strings import StopStringTables
+
+if TYPE_CHECKING:  # annotation only: the loops (a floor above) define the carry
+    from jaxgen.speculative.loop import SpecCarry
+
+INT32_MAX = 2**31 - 1
 
 MIN_PROMPT_BUCKET = 16
 
@@ -42,13 +55,13 @@ class DecodeState:
     max_new: jax.Array  # int32 [B]
     done: jax.Array  # bool [B]
     stop_reason: jax.Array  # int32 [B]
-    cache: KVCache
+    cache: Cache
     key: jax.Array  # typed PRNG keys [B]
-    model: Any = dataclasses.field(metadata=dict(static=True))
+    model: Any = dataclasses.field(metadata=dict(static=True))  # jaxgen.contracts.Model
     prompt_bucket: int = dataclasses.field(metadata=dict(static=True))
     pad_token_id: int = dataclasses.field(metadata=dict(static=True))
-    stop_tables: Any = None  # jaxgen.stopping_strings.StopStringTables when stop_strings is set
-    spec: Any = None  # assisted mode: jaxgen.speculative.SpecCarry (draft cache, stats)
+    stop_tables: Optional[StopStringTables] = None  # when cfg.stop_strings is set
+    spec: Optional["SpecCarry"] = None  # assisted mode, final state: draft state and stats
 
     @property
     def batch(self) -> int:
@@ -73,7 +86,7 @@ def prompt_bucket(length: int) -> int:
     """
     if length <= MIN_PROMPT_BUCKET:
         return MIN_PROMPT_BUCKET
-    step = _next_pow2(length) // 8  # a quarter of the octave [2^(k-1), 2^k) that holds length
+    step = next_pow2(length) // 8  # a quarter of the octave [2^(k-1), 2^k) that holds length
     return -(-length // step) * step
 
 
@@ -113,12 +126,26 @@ def _validate_rows(rows: list[list[int]], vocab_size: int) -> None:
 
 
 def row_keys(key, batch: int) -> jax.Array:
-    """One typed PRNG key per row: fold_in(key, row) for a single key, or the given [B] keys."""
+    """One typed PRNG key per row: fold_in(key, row) for a single key, or the given [B] keys.
+
+    key: None (seed 0), a typed key (`jax.random.key(seed)`), a raw uint32 key
+    (`jax.random.PRNGKey(seed)`, shape [2]), or one of either per row.
+    """
     if key is None:
         key = jax.random.key(0)
+    if isinstance(key, (int, float, np.integer, np.floating)) or not hasattr(key, "dtype"):
+        raise ValueError(f"key must be a JAX PRNG key such as jax.random.key(seed) (one, or "
+                         f"one per row), got {key!r}; pass the seed as jax.random.key({key!r})"
+                         if isinstance(key, (int, np.integer)) else
+                         f"key must be a JAX PRNG key such as jax.random.key(seed), got "
+                         f"{type(key).__name__}")
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+        if key.dtype != jnp.uint32 or key.ndim not in (1, 2) or key.shape[-1] != 2:
+            raise ValueError(f"key must be a JAX PRNG key (jax.random.key(seed)) or raw uint32 "
+                             f"key data of shape [2] / [B, 2] (jax.random.PRNGKey), got "
+                             f"{key.dtype} {tuple(key.shape)}")
+        key = jax.random.wrap_key_data(key)
     if key.ndim == 0:
         return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch))  # [B]
     if key.shape != (batch,):
@@ -155,12 +182,43 @@ def init_cache_for(model, cfg: GenerationConfig, batch: int, buffer_len: int, bu
     max_len = buffer_len
     if kind == "dynamic":
         full = validate_cache_config(kind, opts)
-        max_len = min(buffer_len, _next_pow2(max(full["initial_length"],
+        max_len = min(buffer_len, next_pow2(max(full["initial_length"],
                                                  bucket + full["chunk_size"])))
     return model.init_cache(batch, max_len, dtype, kind=kind, cache_config=opts)
 
 
-def _next_pow2(n: int) -> int:
+def check_cache_dtype(dtype) -> None:
+    """The cache dtype must be floating point (the quantized cache is a cache kind)."""
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"cache_dtype={dtype!r} is not a floating dtype (allowed: float32, "
+                         f"bfloat16, float16); for int8 / 4-bit K/V use "
+                         f"cache_implementation='quantized'")
+
+
+def _buffer_len_option(cfg: GenerationConfig, buffer_len) -> int | None:
+    """The requested static buffer length: init_state's buffer_len or cfg.max_cache_len."""
+    wanted = cfg.max_cache_len
+    if buffer_len is not None:
+        if (not isinstance(buffer_len, (int, np.integer)) or isinstance(buffer_len, bool)
+                or not 1 <= buffer_len <= INT32_MAX):
+            raise ValueError(f"buffer_len must be an int in 1..{INT32_MAX}, got {buffer_len!r}")
+        if wanted is not None and int(wanted) != int(buffer_len):
+            raise ValueError(f"buffer_len={buffer_len} and cfg.max_cache_len={wanted} disagree; "
+                             f"pass one of them")
+        return int(buffer_len)
+    return None if wanted is None else int(wanted)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1).
+
+    >>> [next_pow2(n) for n in (0, 1, 5, 64, 65)]
+    [1, 1, 8, 64, 128]
+    """
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
@@ -171,19 +229,27 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
 
     prompts: a list of token-id lists (ragged), or a padded [B, S] array with `lengths`.
     max_new_tokens: optional per-row budgets [B] (each <= the config's budget).
-    buffer_len: optional static buffer length T (default: prompt bucket + budget).
+    buffer_len: optional static buffer length T (default: cfg.max_cache_len, else prompt
+    bucket + budget).
+    cache_dtype: a floating dtype (float32, bfloat16, float16); the int8 / 4-bit cache is
+    `cache_implementation="quantized"`.
     tokenizer: needed when cfg.stop_strings is set (its vocabulary builds the stop tables).
     """
     cfg = cfg if cfg is not None else GenerationConfig()
+    if not isinstance(cfg, GenerationConfig):
+        raise TypeError(f"cfg must be a jaxgen.GenerationConfig, got {type(cfg).__name__}")
+    check_cache_dtype(cache_dtype)
     rows = _prompt_rows(prompts, lengths)
     vocab_size = model.vocab_size
     _validate_rows(rows, vocab_size)
     cfg.validate_for_model(vocab_size)
+    batch = len(rows)
+    cfg.validate_for_batch(batch)
+    buffer_len = _buffer_len_option(cfg, buffer_len)
     stop_tables = None
     if cfg.stop_strings is not None:
         from jaxgen.stopping_strings import build_stop_tables
         stop_tables = build_stop_tables(tokenizer, cfg.stop_strings, vocab_size)
-    batch = len(rows)
     prompt_lens = np.array([len(r) for r in rows], np.int32)  # [B]
     longest = int(prompt_lens.max())
     if cfg.max_new_tokens is not None:
@@ -196,7 +262,14 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                              f"{cfg.max_length}: the prompt is longer than the buffer; raise "
                              f"max_length or set max_new_tokens")
     if max_new_tokens is not None:
-        per_row = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,))
+        values = np.asarray(max_new_tokens)
+        if not np.issubdtype(values.dtype, np.integer) or values.ndim > 1 or (
+                values.ndim == 1 and values.shape[0] != batch):
+            raise ValueError(f"per-row max_new_tokens must be one int or {batch} ints (one per "
+                             f"row), got {max_new_tokens!r}")
+        if (values > INT32_MAX).any():
+            raise ValueError(f"per-row max_new_tokens must be <= {INT32_MAX} (int32)")
+        per_row = np.broadcast_to(values.astype(np.int64), (batch,))
         if (per_row < 1).any() or (per_row > budgets).any():
             raise ValueError(f"per-row max_new_tokens must lie in 1..{budgets.max()}, got {per_row.tolist()}")
         budgets = per_row.astype(np.int32)
@@ -205,7 +278,7 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     if buffer_len is None:
         buffer_len = needed
     elif int((prompt_lens + budgets).max()) > buffer_len or bucket > buffer_len:
-        raise ValueError(f"prompt + max_new_tokens ({int((prompt_lens + budgets).max())}, prompt "
+        raise ValueError(f"buffer_len / max_cache_len: prompt + max_new_tokens ({int((prompt_lens + budgets).max())}, prompt "
                          f"bucket {bucket}) does not fit the buffer of {buffer_len} tokens")
     pad_id = resolve_pad_id(cfg, model)
     tokens = np.full((batch, buffer_len), pad_id, np.int32)  # [B, T]

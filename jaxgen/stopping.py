@@ -3,7 +3,8 @@
 Stop reasons (int32 per row, `GenerateOutput.stop_reason`):
     0 NOT_STOPPED, 1 EOS, 2 MAX_LENGTH (budget or buffer exhausted), 3 STOP_STRING,
     4 CUSTOM (a user stopping criterion), 5 MAX_TIME (`max_time` ran out; chunked driver),
-    6 CANCELLED (a streamer's cancel() or a stop_event; chunked driver).
+    6 CANCELLED (a streamer's cancel() or a stop_event; chunked driver),
+    7 INVALID_LOGITS (the model produced NaN / inf logits for the row: its output is garbage).
 When several fire at the same step the first in the order EOS, STOP_STRING, CUSTOM,
 MAX_LENGTH is recorded.
 
@@ -27,9 +28,10 @@ import jax
 import jax.numpy as jnp
 
 NOT_STOPPED, EOS, MAX_LENGTH, STOP_STRING, CUSTOM, MAX_TIME, CANCELLED = 0, 1, 2, 3, 4, 5, 6
+INVALID_LOGITS = 7
 STOP_REASONS = {NOT_STOPPED: "not_stopped", EOS: "eos", MAX_LENGTH: "max_length",
                 STOP_STRING: "stop_string", CUSTOM: "custom", MAX_TIME: "max_time",
-                CANCELLED: "cancelled"}
+                CANCELLED: "cancelled", INVALID_LOGITS: "invalid_logits"}
 
 StoppingCriterionFn = Callable[..., jax.Array]
 

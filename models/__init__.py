@@ -1,7 +1,9 @@
 """Model families and checkpoint loaders, imported as `jaxgen.models`.
 
+Example (illustration: loading the embedded SmolLM2-135M takes several seconds):
     >>> from jaxgen.models import load, DEFAULT_MODEL
     >>> model, params, tokenizer = load(DEFAULT_MODEL)   # doctest: +SKIP
+    >>> model.check_params(params)                       # doctest: +SKIP
 """
 from .llama import Llama, LlamaConfig, ModelOutput, unstack_layers
 from .registry import DEFAULT_MODEL, KNOWN_MODELS, load

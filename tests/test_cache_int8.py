@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jaxgen
-from jaxgen.cache_attention import KeyBlock, attend_blocks
-from jaxgen.cache_int8 import dequantize, hadamard, pack4, quantize, unpack4
+from jaxgen.cache.attention import KeyBlock, attend_blocks
+from jaxgen.cache.int8 import dequantize, hadamard, pack4, quantize, unpack4
 from jaxgen.config import GenerationConfig
 
 PROMPTS = [

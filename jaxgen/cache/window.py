@@ -1,8 +1,8 @@
-"""Sliding-window cache: a Mistral-style ring buffer, and the ring helpers it shares.
+"""Sliding-window cache (cache_implementation="sliding_window"): a Mistral-style ring buffer.
 
 A model with `sliding_window = W` lets a query at position p see keys p-W < j <= p. The
-ring keeps S = min(max_len, W + rollback_slack) slots per row and layer; position j lives in
-slot j % S, and `pos[L, B, S]` records which position each slot holds (-1: empty):
+ring (jaxgen.cache.ring) keeps S = min(max_len, W + rollback_slack) slots per row and layer;
+position j lives in slot j % S, and `pos` records which position each slot holds (-1: empty):
 
     k, v    [L, B, Hkv, S, Dh]   (heads-major, like the dense cache)
     pos     int32 [L, B, S]
@@ -14,8 +14,8 @@ Memory is O(W) whatever the generation length.
 Chunks longer than the ring (a long prompt) are exact: `update_attend` attends over the
 ring's old entries plus the new chunk before writing, then keeps the chunk's last S tokens.
 
-Rollback by length (DESIGN s.2) works while the ring still holds the window of the position
-decoding resumes at: rolling back n tokens is safe iff the positions
+Rollback sets the length, as for every kind; it works while the ring still holds the window
+of the position decoding resumes at: rolling back n tokens is safe iff the positions
 [length - n - W + 1, length - n - 1] are all still in their slots, which always holds for
 n <= rollback_slack + 1. The right-padded prefill is itself such a rollback (from the prompt
 bucket to the prompt length), so `init_state` gives the ring a slack of the prompt bucket by
@@ -25,13 +25,23 @@ default. How an impossible rollback surfaces:
   ValueError before anything is changed;
 - under jit (nothing can raise), `with_length` sets the sticky `lost[B]` flag for the row;
   `cache.max_rollback()` (int32 [B]) tells a loop beforehand how far it may go, and
-  `jaxgen.cache_window.raise_if_lost(cache)` raises on the host after the call.
+  `jaxgen.cache.raise_if_lost(cache)` raises on the host after the call.
 
 Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxgen.cache import SlidingWindowCache, raise_if_lost
     >>> c = SlidingWindowCache.init(num_layers=1, batch=1, max_len=100, num_kv_heads=1,
     ...                             head_dim=4, window=4, rollback_slack=2)
     >>> c.k.shape                     # 4 + 2 slots, not 100
     (1, 1, 1, 6, 4)
+    >>> k = jnp.ones((1, 10, 1, 4))   # [B, S, Hkv, Dh]
+    >>> c = c.update(0, k, k, jnp.arange(10)[None]).with_length(jnp.array([10]))
+    >>> c.max_rollback().tolist()     # rollback_slack + 1
+    [3]
+    >>> raise_if_lost(c.with_length(jnp.array([5])))
+    Traceback (most recent call last):
+        ...
+    ValueError: sliding-window cache rows [0] were rolled back past the tokens the ring still holds; their outputs are invalid (raise cache_config['rollback_slack'])
 """
 from __future__ import annotations
 
@@ -42,56 +52,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback, heads_major_index
-from jaxgen.cache_attention import KeyBlock, attend_blocks, heads_major
+from jaxgen.cache.attention import KeyBlock, attend_blocks
+from jaxgen.cache.checks import cache_nbytes, rollback_by_length
+from jaxgen.cache.layout import heads_major
+from jaxgen.cache.ring import ring_holds_window, ring_max_rollback, ring_write
 
 
-# ------------------------------------------------------------------------- ring helpers
-def ring_write(k_buf: jax.Array, v_buf: jax.Array, pos_buf: jax.Array, layer,
-               k_new: jax.Array, v_new: jax.Array, positions: jax.Array):
-    """Writes a chunk into ring buffers k/v [L, B, Hkv, S, Dh], pos [L, B, S].
-
-    k_new, v_new: [B, n, Hkv, Dh]; positions int32 [B, n] (contiguous per row). Only the
-    chunk's last S tokens are written (earlier ones would collide with them).
-    """
-    slots = k_buf.shape[3]
-    if positions.shape[1] > slots:
-        k_new, v_new, positions = k_new[:, -slots:], v_new[:, -slots:], positions[:, -slots:]
-    batch, seq = positions.shape
-    slot = positions % slots  # [B, n]
-    index = heads_major_index(slot, k_buf.shape[2], layer)  # 4 x [B, Hkv, n]
-    k_buf = k_buf.at[index].set(heads_major(k_new).astype(k_buf.dtype))
-    v_buf = v_buf.at[index].set(heads_major(v_new).astype(v_buf.dtype))
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))  # [B, n]
-    layers = jnp.full((batch, seq), layer, jnp.int32)  # [B, n]
-    pos_buf = pos_buf.at[layers, rows, slot].set(positions.astype(jnp.int32))
-    return k_buf, v_buf, pos_buf
-
-
-def ring_holds_window(pos: jax.Array, length: jax.Array, window: int) -> jax.Array:
-    """bool [B]: does the ring pos [B, S] hold every position in [length-window+1, length-1]?"""
-    slots = pos.shape[-1]
-    slot = jnp.arange(slots, dtype=jnp.int32)  # [S]
-    last = length[:, None] - 1  # [B, 1]
-    candidate = last - jnp.mod(last - slot[None], slots)  # [B, S] the position slot s must hold
-    needed = (candidate >= 0) & (candidate > last + 1 - window)  # [B, S] in [L-W+1, L-1]
-    return jnp.all(~needed | (pos == candidate), axis=-1)  # [B]
-
-
-def ring_max_rollback(pos: jax.Array, length: jax.Array, window: int) -> jax.Array:
-    """int32 [B]: the largest n such that rolling back n tokens keeps the window.
-
-    The ring holds the S newest positions it was written, [hw - S, hw); decoding at L needs
-    [L - W + 1, L - 1].
-    """
-    slots = pos.shape[-1]
-    high = jnp.max(pos, axis=-1) + 1  # [B] high-water mark
-    floor = high - slots + window - 1  # [B] smallest safe length once wrapped
-    safe = jnp.where(high <= slots, 0, jnp.maximum(floor, 0))  # [B]
-    return jnp.maximum(length - safe, 0).astype(jnp.int32)
-
-
-# ------------------------------------------------------------------------- the cache
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlidingWindowCache:
@@ -128,9 +94,6 @@ class SlidingWindowCache:
 
     def nbytes(self) -> int:
         return cache_nbytes(self)
-
-    def batch_axes(self):
-        return dataclasses.replace(self, k=1, v=1, pos=1, length=0, lost=0)
 
     def _window(self, window: int | None) -> int:
         return self.window if window is None else min(int(window), self.window)
@@ -177,10 +140,7 @@ class SlidingWindowCache:
     def rollback(self, n) -> "SlidingWindowCache":
         """Forgets the last n[B] positions. Outside jit an impossible rollback raises
         ValueError; under jit it sets `lost` (see the module docs)."""
-        n = jnp.asarray(n, jnp.int32)
-        if _is_concrete(n) and _is_concrete(self.length):
-            check_rollback(self, n)
-        return self.with_length(self.length - n)
+        return rollback_by_length(self, n)
 
 
 def raise_if_lost(cache) -> None:

@@ -1,23 +1,25 @@
-"""Quantized KV cache: int8 (or packed 4-bit) codes of Hadamard-rotated K/V, per-group scales.
+"""Quantized KV cache (cache_implementation="quantized"): int8 (or packed 4-bit) codes of
+Hadamard-rotated K/V with per-group scales, and an optional full-precision residual ring.
 
     kq, vq      int8  [L, B, Hkv, T, Dh]       codes of k R, v R (nbits=8; heads-major)
                 uint8 [L, B, Hkv, T, Dh/2]     (nbits=4: two signed 4-bit codes a byte)
     k_scale     [L, B, Hkv, T, Nk]             Nk = 4 key groups per head (Dh/16 for Dh = 64),
     v_scale     [L, B, Hkv, T, Nv]             Nv = 2 value groups, or Dh / q_group_size for
                                                both when q_group_size is set; cache dtype
-    rk, rv      [L, B, Hkv, R+slack, Dh]       full-precision ring of the most recent tokens
-    rpos        int32 [L, B, R+slack]          (residual_length = R > 0 only, else None)
+    rk, rv      [L, B, Hkv, S, Dh]             full-precision ring of the most recent tokens,
+    rpos        int32 [L, B, S]                S = min(T, R + rollback_slack) slots
+                                               (residual_length = R > 0 only, else None)
     length      int32 [B]
 
-Scheme (issue #6). R is the orthonormal Hadamard matrix [Dh, Dh] (`rotate=True`, the default,
-for power-of-two Dh; identity otherwise). Llama keys carry a few large channels (post-RoPE);
+Scheme. R is the orthonormal Hadamard matrix [Dh, Dh] (`rotate=True`, the default, for
+power-of-two Dh; identity otherwise). Llama keys carry a few large channels (post-RoPE);
 rotating spreads them over all channels, so a per-token absmax no longer spends its range on
 them. Then symmetric quantization per (token, head, group): scale = max|x| / qmax, code =
 round(x / scale), qmax = 127 (int8) or 7 (4-bit). Keys get more groups than values: on
 SmolLM2 the key error dominates (greedy agreement with exact keys and int8 values: 0.97).
 Attention never dequantizes the cache: the query is rotated (q R . k R = q . k), the
 query-code products are multiplied by the key scales, the attention weights by the value
-scales, and the block's output is rotated back by R^T (jaxgen.cache_attention). R is fixed,
+scales, and the block's output is rotated back by R^T (jaxgen.cache.attention). R is fixed,
 not fitted to data, so the codes of a token depend on that token alone.
 
 Which precision a key is read in depends only on its age relative to the query:
@@ -32,9 +34,19 @@ default 4 + 2 scales: 0.297x of fp32, 0.547x of bf16 (plus the residual ring, if
 residual_length = 128 the ring alone is ~1x the fp32 cache at 150 tokens, so it stays off).
 
 Example:
+    >>> import numpy as np
+    >>> from jaxgen.cache import QuantizedKVCache
+    >>> from jaxgen.cache.int8 import dequantize, hadamard, quantize
     >>> c = QuantizedKVCache.init(num_layers=1, batch=1, max_len=8, num_kv_heads=1, head_dim=4)
     >>> c.kq.dtype, c.k_scale.shape, c.v_scale.shape
     (dtype('int8'), (1, 1, 1, 8, 4), (1, 1, 1, 8, 2))
+    >>> h = hadamard(4)
+    >>> bool(np.allclose(h @ h.T, np.eye(4)))
+    True
+    >>> x = np.array([[1.0, -3.0, 0.5, 4.0]], np.float32)
+    >>> codes, scale = quantize(x, nbits=8, groups=1, scale_dtype=np.float32)
+    >>> codes.tolist(), bool(np.allclose(dequantize(codes, scale, 8), x, atol=scale[0, 0] / 2))
+    ([[32, -95, 16, 127]], True)
 """
 from __future__ import annotations
 
@@ -45,9 +57,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.cache import _is_concrete, cache_nbytes, check_rollback, heads_major_index
-from jaxgen.cache_attention import KeyBlock, attend_blocks, heads_major
-from jaxgen.cache_window import ring_write
+from jaxgen.cache.attention import KeyBlock, attend_blocks
+from jaxgen.cache.checks import cache_nbytes, rollback_by_length
+from jaxgen.cache.layout import heads_major, heads_major_index
+from jaxgen.cache.ring import ring_write
 
 QMAX = {8: 127, 4: 7}
 KEY_GROUPS, VALUE_GROUPS = 4, 2  # default scales per token and head (q_group_size unset)
@@ -173,11 +186,6 @@ class QuantizedKVCache:
     def nbytes(self) -> int:
         return cache_nbytes(self)
 
-    def batch_axes(self):
-        ring = None if self.rk is None else 1
-        return dataclasses.replace(self, kq=1, vq=1, k_scale=1, v_scale=1, rk=ring, rv=ring,
-                                   rpos=ring, length=0)
-
     # ------------------------------------------------------------------ writes
     @property
     def rotation(self) -> jax.Array | None:
@@ -271,10 +279,8 @@ class QuantizedKVCache:
         return self.length
 
     def rollback(self, n) -> "QuantizedKVCache":
-        n = jnp.asarray(n, jnp.int32)
-        if _is_concrete(n) and _is_concrete(self.length):
-            check_rollback(self, n)
-        return self.with_length(self.length - n)
+        """Forgets the last n[B] positions of each row (no copy); checked outside jit."""
+        return rollback_by_length(self, n)
 
     def resize(self, max_len: int) -> "QuantizedKVCache":
         """A copy with T = max_len (the codes and scales grow with zeros, or are cropped)."""

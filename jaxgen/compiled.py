@@ -1,0 +1,49 @@
+"""The compiled programs every plan runs: one `jax.jit` per entry, the loop static by name.
+
+    run_donated(params, state, cfg, inputs, loop=)     a whole call; the state is donated
+    run_kept(params, state, cfg, inputs, loop=)        the same without donation (beam search,
+                                                       and calls under jax.vmap / jit)
+    start(params, state, cfg, inputs, loop=)           chunked driver: prefill + first step
+    advance(params, state, carry, begin, end, cfg, inputs, loop=)   chunked driver: steps
+
+`loop` is a static, hashable description (jaxgen.decode.DecodeLoop, jaxgen.beam.BeamLoop,
+jaxgen.speculative.SpeculativeLoop or a custom_generate wrapper): equal loops share a
+compiled program. `inputs` are the loop's dynamic extras (draft params, start lengths) or
+None. New prompts of the same bucket, new sampling values and new keys reuse the program.
+
+Example:
+    >>> before = trace_count()
+    >>> trace_count() >= before
+    True
+"""
+from __future__ import annotations
+
+import jax
+
+_TRACES = {"generate": 0}
+
+
+def _run(params, state, cfg, inputs, *, loop):
+    _TRACES["generate"] += 1
+    return loop.run(params, state, cfg, inputs)
+
+
+def _start(params, state, cfg, inputs, *, loop):
+    _TRACES["generate"] += 1
+    return loop.start(params, state, cfg, inputs)
+
+
+def _advance(params, state, carry, begin, end, cfg, inputs, *, loop):
+    _TRACES["generate"] += 1
+    return loop.advance(params, state, carry, begin, end, cfg, inputs)
+
+
+run_donated = jax.jit(_run, donate_argnames=("state",), static_argnames=("loop",))
+run_kept = jax.jit(_run, static_argnames=("loop",))
+start = jax.jit(_start, donate_argnames=("state",), static_argnames=("loop",))
+advance = jax.jit(_advance, donate_argnames=("state", "carry"), static_argnames=("loop",))
+
+
+def trace_count() -> int:
+    """How many times a generate program has been traced (compiled) in this process."""
+    return _TRACES["generate"]

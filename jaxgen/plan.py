@@ -1,0 +1,251 @@
+"""The plan: which loop, which driver and what is donated, for one `generate` call.
+
+`make_plan` is the only place where a path through `generate` is chosen. It reads the
+config, the hooks, the assistant and the host-side options, applies every cross-field rule
+(raising a ValueError that names the fields before anything compiles) and returns a `Plan`:
+
+    loop     a static, hashable loop description (one compiled program per distinct loop):
+               DecodeLoop        greedy / sampling                      (jaxgen.decode)
+               BeamLoop          beam search / beam sampling            (jaxgen.beam)
+               SpeculativeLoop   assisted decoding with one drafter     (jaxgen.speculative)
+               CustomLoop        custom_generate owns the loop
+    driver   "single"   one jit call runs the whole loop
+             "chunked"  the host drives the loop `chunk_size` steps per call (streamers,
+                        max_time, stop_event)                           (jaxgen.chunked)
+             "growing"  chunked, re-allocating the cache between chunks
+                        (cache_implementation="dynamic")                (jaxgen.growing)
+    donate   whether the state's buffers are donated to the call
+    inputs   the loop's dynamic inputs (an assistant's params, start draft lengths) or None
+
+`execute(plan, params, state, cfg)` runs it. Adding a drafter kind means writing its module
+(a class honouring jaxgen.contracts.Drafter with a `from_request` classmethod) and adding
+it to `DRAFTERS`.
+
+Example:
+    >>> import jax
+    >>> from jaxgen.config import GenerationConfig
+    >>> from jaxgen.models import Llama, LlamaConfig
+    >>> from jaxgen.state import init_state
+    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
+    >>> cfg = GenerationConfig(max_new_tokens=4, prompt_lookup_num_tokens=3)
+    >>> plan = make_plan(init_state(model, [[1, 2, 1]], cfg), cfg)
+    >>> type(plan.loop).__name__, type(plan.loop.drafter).__name__, plan.driver, plan.donate
+    ('SpeculativeLoop', 'PromptLookupDrafter', 'single', True)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen import compiled
+from jaxgen.beam import BeamLoop
+from jaxgen.chunked import DEFAULT_CHUNK, ChunkTimings, run_chunked
+from jaxgen.config import DYNAMIC_FIELDS, GenerationConfig
+from jaxgen.decode import DecodeLoop
+from jaxgen.extensions import Extensions, accepts_hooks, make_extensions, resolve_custom_generate
+from jaxgen.growing import grow_before_chunks, growing_chunk_size
+from jaxgen.output import GenerateOutput
+from jaxgen.speculative import AssistInputs, SpeculativeLoop
+from jaxgen.speculative.draft_model import DraftModelDrafter
+from jaxgen.speculative.prompt_lookup import PromptLookupDrafter
+from jaxgen.state import DecodeState
+
+# The drafter kinds, in the order their requests are checked. One line per kind.
+DRAFTERS = (
+    PromptLookupDrafter,  # cfg.prompt_lookup_num_tokens
+    DraftModelDrafter,  # assistant_model=(model, params)
+)
+
+_INT_FIELDS = {"top_k", "min_length", "min_new_tokens"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomLoop:
+    """custom_generate(params, state, cfg[, logits_processor=, stopping_criteria=]) as the
+    loop: it runs inside the same jit and returns a GenerateOutput or a DecodeState."""
+
+    custom: Any
+    ext: Extensions = Extensions()
+    chunkable = False
+
+    def run(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
+        kwargs = {}
+        if self.ext:
+            kwargs = dict(logits_processor=self.ext.logits_processor,
+                          stopping_criteria=self.ext.stopping_criteria)
+        out = self.custom(params, state, cfg, **kwargs)
+        if isinstance(out, GenerateOutput):
+            return out
+        if isinstance(out, DecodeState):
+            steps = max(out.buffer_len - out.prompt_bucket, 1)
+            return GenerateOutput(sequences=out.tokens, lengths=out.length,
+                                  prompt_lengths=out.prompt_len, stop_reason=out.stop_reason,
+                                  token_logprobs=jnp.zeros((out.batch, steps), jnp.float32),
+                                  state=out)
+        raise ValueError(f"custom_generate {self.custom!r} must return a GenerateOutput or a "
+                         f"DecodeState, got {type(out).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One call's path (see the module docs). Host-side options ride along for the driver."""
+
+    loop: Any
+    driver: str  # "single" | "chunked" | "growing"
+    donate: bool
+    inputs: Any = None
+    chunk_size: int | None = None
+    streamer: Any = None
+    max_time: float | None = None
+    stop_event: Any = None
+    timings: ChunkTimings | None = None
+
+
+def is_traced(*trees) -> bool:
+    """Whether any leaf is a tracer (generate called under jax.vmap / jit)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(trees))
+
+
+def choose_drafter(cfg: GenerationConfig, target_model, assistant_model,
+                   num_assistant_tokens):
+    """(drafter, AssistInputs) for an assisted call, or (None, None)."""
+    chosen = []
+    for kind in DRAFTERS:
+        built = kind.from_request(cfg, target_model, assistant_model)
+        if built is not None:
+            chosen.append(built)
+    if not chosen:
+        if num_assistant_tokens is not None:
+            raise ValueError("`num_assistant_tokens=` only applies to assisted decoding "
+                             "(pass assistant_model=(model, params) or set "
+                             "prompt_lookup_num_tokens)")
+        return None, None
+    if len(chosen) > 1:
+        raise ValueError("pass either `assistant_model` or `prompt_lookup_num_tokens`, not both")
+    if cfg.num_beams > 1:
+        raise ValueError(f"assisted decoding (assistant_model / prompt lookup) does not "
+                         f"support beam search (num_beams={cfg.num_beams}); use greedy or "
+                         f"sampling (allowed: num_beams=1)")
+    start = None
+    if num_assistant_tokens is not None:
+        values = np.asarray(num_assistant_tokens)
+        if (not np.issubdtype(values.dtype, np.integer) or (values < 1).any()
+                or (values > 2**31 - 1).any()):
+            raise ValueError(f"`num_assistant_tokens` must be ints in 1..2147483647 (one, or "
+                             f"one per row), got {num_assistant_tokens!r}")
+        start = jnp.asarray(values, jnp.int32)
+    drafter, draft_params = chosen[0]
+    return drafter, AssistInputs(draft_params=draft_params, start_tokens=start)
+
+
+def _check_hooks(state: DecodeState, cfg: GenerationConfig, ext: Extensions, custom) -> None:
+    """Errors for hooks that would otherwise be ignored, raised before compiling."""
+    if cfg.stop_strings is not None and custom is None:
+        tables = state.stop_tables
+        if tables is None:
+            raise ValueError("`stop_strings` needs a tokenizer: build the state with "
+                             "init_state(..., tokenizer=tokenizer) (or pass tokenizer= to "
+                             "generate_ids / generate_text)")
+        if tuple(tables.strings) != tuple(cfg.stop_strings):
+            raise ValueError(f"the state's stop-string tables were built for "
+                             f"{list(tables.strings)} but cfg.stop_strings is "
+                             f"{list(cfg.stop_strings)}; rebuild the state with init_state")
+    if custom is not None and ext and not accepts_hooks(custom):
+        raise ValueError("custom_generate does not accept `logits_processor` / "
+                         "`stopping_criteria` keyword arguments, so the ones passed would be "
+                         "dropped; add them to its signature or do not pass them")
+
+
+def _choose_driver(cfg: GenerationConfig, loop, traced: bool, streamer, stop_event) -> str:
+    """"single", "chunked" or "growing", with the rules that forbid a combination."""
+    host = streamer is not None or cfg.max_time is not None or stop_event is not None
+    growing = cfg.cache_implementation == "dynamic"
+    if not host and not growing:
+        return "single"
+    what = ("streamer / max_time / stop_event" if host else
+            "cache_implementation='dynamic' (it grows the cache between chunks)")
+    if traced:
+        raise ValueError(f"{what} need the host between chunks: they cannot run under "
+                         f"jax.vmap / jit around generate"
+                         + ("" if host else "; use cache_implementation='static'"))
+    if isinstance(loop, CustomLoop):
+        raise ValueError(f"{what} cannot be combined with custom_generate (it owns the loop)")
+    if isinstance(loop, BeamLoop):
+        raise ValueError(f"{what} are not supported with beam search (num_beams > 1), as in "
+                         f"Hugging Face; use greedy or sampling")
+    if growing and isinstance(loop, SpeculativeLoop):
+        raise ValueError("cache_implementation='dynamic' cannot be combined with assisted "
+                         "decoding (assistant_model / prompt lookup); use 'static'")
+    return "growing" if growing else "chunked"
+
+
+def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
+              stopping_criteria=(), custom_generate=None, assistant_model=None,
+              num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
+              timings=None) -> Plan:
+    """The plan for one call (see the module docs). Raises ValueError for any combination
+    that cannot run, before anything compiles."""
+    ext = make_extensions(logits_processor, stopping_criteria)
+    custom = resolve_custom_generate(custom_generate)
+    _check_hooks(state, cfg, ext, custom)
+    drafter, inputs = choose_drafter(cfg, state.model, assistant_model, num_assistant_tokens)
+    if drafter is not None and custom is not None:
+        raise ValueError("custom_generate replaces the decoding loop: it cannot be combined "
+                         "with assistant_model / prompt_lookup_num_tokens")
+    if custom is not None:
+        loop = CustomLoop(custom, ext)
+    elif drafter is not None:
+        loop = SpeculativeLoop(drafter, ext)
+    elif cfg.num_beams > 1:
+        loop = BeamLoop(ext, return_beam_indices=bool(cfg.return_dict_in_generate))
+    else:
+        loop = DecodeLoop(ext)
+    traced = is_traced(state, cfg, inputs)
+    driver = _choose_driver(cfg, loop, traced, streamer, stop_event)
+    if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer))
+                                   or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    # Beam search repeats the prompt cache into a new [B*num_beams] cache: no input buffer
+    # could be aliased to an output, so the state is not donated (and stays usable). Under
+    # jax.vmap / jit nothing may be donated: the caller's arrays are shared.
+    donate = not traced and not isinstance(loop, BeamLoop)
+    return Plan(loop=loop, driver=driver, donate=donate, inputs=inputs, chunk_size=chunk_size,
+                streamer=streamer, max_time=cfg.max_time, stop_event=stop_event,
+                timings=timings)
+
+
+def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
+    """Dynamic leaves as float32 / int32 arrays, so Python floats and arrays share a compile."""
+    def cast(name, value):
+        if value is None:
+            return None
+        return jnp.asarray(value, jnp.int32 if name in _INT_FIELDS else jnp.float32)
+
+    leaves, treedef = jax.tree_util.tree_flatten(cfg)
+    names = [n for n in DYNAMIC_FIELDS if getattr(cfg, n) is not None]
+    return jax.tree_util.tree_unflatten(treedef, [cast(n, v) for n, v in zip(names, leaves)])
+
+
+def execute(plan: Plan, params, state: DecodeState, cfg: GenerationConfig) -> GenerateOutput:
+    """Runs a plan. Consumes `state` when plan.donate."""
+    jit_cfg = canonical_config(cfg.replace(max_time=None) if cfg.max_time is not None else cfg)
+    if plan.driver == "single":
+        run = compiled.run_donated if plan.donate else compiled.run_kept
+        return run(params, state, jit_cfg, plan.inputs, loop=plan.loop)
+    options = dict(streamer=plan.streamer, max_time=plan.max_time, stop_event=plan.stop_event,
+                   timings=plan.timings)
+    if plan.driver == "growing":
+        return run_chunked(plan.loop, params, state, jit_cfg, plan.inputs,
+                           chunk_size=growing_chunk_size(cfg, plan.chunk_size),
+                           prepare_chunk=grow_before_chunks(cfg, []), **options)
+    return run_chunked(plan.loop, params, state, jit_cfg, plan.inputs,
+                       chunk_size=plan.chunk_size or DEFAULT_CHUNK, **options)
+
+
+__all__ = ["DRAFTERS", "CustomLoop", "Plan", "canonical_config", "choose_drafter", "execute",
+           "is_traced", "make_plan"]
