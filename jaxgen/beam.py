@@ -24,10 +24,16 @@ lock-step, so "new tokens so far" is the same for all rows and the length penalt
 early-stopping heuristic match HF's batched left-padded run and HF run on each row alone.
 
 Example:
-    >>> cfg = GenerationConfig(num_beams=4, max_new_tokens=16, early_stopping=True)
-    >>> out = jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg), cfg)
-    >>> out.sequences.shape[0] == len(prompts) * cfg.num_return_sequences
-    True
+    >>> import jax, jaxgen
+    >>> from jaxgen.models import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
+    >>> params = model.init_params(jax.random.key(0))
+    >>> cfg = GenerationConfig(num_beams=4, num_return_sequences=2, max_new_tokens=5,
+    ...                        early_stopping=True)
+    >>> out = jaxgen.generate(params, jaxgen.init_state(model, [[1, 2], [3]], cfg), cfg)
+    >>> out.sequences.shape[0], out.sequences_scores.shape     # 2 prompts x 2 returned
+    (4, (4,))
 """
 from __future__ import annotations
 

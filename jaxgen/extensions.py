@@ -22,10 +22,18 @@ recompiles).
                        together is an error (never silently dropped).
 
 Example:
+    >>> import jax, jax.numpy as jnp, jaxgen
+    >>> from jaxgen.models import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
+    >>> params = model.init_params(jax.random.key(0))
     >>> ban_7 = lambda scores, ctx: scores.at[:, 7].set(-jnp.inf)
     >>> long_enough = lambda ctx, scores: ctx.length - ctx.prompt_len >= 3
-    >>> out = jaxgen.generate(params, state, cfg, logits_processor=[ban_7],
-    ...                       stopping_criteria=[long_enough])
+    >>> cfg = jaxgen.GenerationConfig(max_new_tokens=10)
+    >>> out = jaxgen.generate(params, jaxgen.init_state(model, [[1, 2]], cfg), cfg,
+    ...                       logits_processor=[ban_7], stopping_criteria=[long_enough])
+    >>> int(out.lengths[0] - out.prompt_lengths[0]), 7 in out.sequences[0].tolist()
+    (3, False)
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ b, i.e. what `input_ids.shape[-1]` is for Hugging Face running that row alone, a
 `prompt_len + max_new` (HF sets max_length = max_new_tokens + prompt length).
 
 Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxgen.processors import ProcessorContext
     >>> ctx = ProcessorContext(tokens=jnp.zeros((1, 8), jnp.int32), length=jnp.array([3]),
     ...                        prompt_len=jnp.array([3]))
     >>> min_length_mask(jnp.zeros((1, 4)), ctx, (2,), min_new_tokens=1)

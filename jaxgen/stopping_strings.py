@@ -22,9 +22,20 @@ Device side, per step: walk back from the newest token over the last `window` to
 matched-suffix lengths m as a bool vector [B, S, W]; a stop string fires as soon as some m
 reaches len(s). About window x S x W boolean ops per row: negligible next to a decode step.
 
-Example:
-    >>> tables = build_stop_tables(tokenizer, ["\\n\\n", "User:"])
-    >>> stop_string_hit(tables, state.tokens, state.length)   # bool [B]
+Example (a byte-level BPE that splits "stop" as "st" + "op"):
+    >>> import jax.numpy as jnp
+    >>> from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    >>> vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    >>> vocab["st"], vocab["op"] = len(vocab), len(vocab) + 1
+    >>> tok = Tokenizer(models.BPE(vocab, [("s", "t"), ("o", "p")]))
+    >>> tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    >>> tok.decoder = decoders.ByteLevel()
+    >>> ids = tok.encode("a stop").ids              # a, Ġ, st, op
+    >>> tables = build_stop_tables(tok, ["stop"])
+    >>> stop_string_hit(tables, jnp.array([ids]), jnp.array([4])).tolist()   # ends in "op"
+    [True]
+    >>> stop_string_hit(tables, jnp.array([ids]), jnp.array([3])).tolist()   # "a st" only
+    [False]
 """
 from __future__ import annotations
 

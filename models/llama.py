@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.cache import CACHE_KINDS, KVCache, make_cache
+from jaxgen.cache import CACHE_KINDS, Cache, make_cache
 
 from . import rope as rope_lib
 from .rope import freeze  # re-exported for loaders
@@ -234,9 +234,10 @@ class Llama:
         return self.config.vocab_size
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32,
-                   kind: str = "static", cache_config: dict | None = None) -> KVCache:
+                   kind: str = "static", cache_config: dict | None = None) -> Cache:
         """An empty cache of `kind` (jaxgen.cache.CACHE_KINDS, HF's cache_implementation
-        names) for `max_len` positions; the static kind is k, v [L, batch, max_len, Hkv, Dh]."""
+        names) for `max_len` positions; the static kind holds k, v [L, batch, Hkv, max_len,
+        Dh] (heads-major)."""
         if kind not in CACHE_KINDS:
             raise ValueError(f"unknown cache kind {kind!r}; allowed: {', '.join(CACHE_KINDS)}")
         cfg = self.config
@@ -321,7 +322,7 @@ class Llama:
             for key, shape in unstacked.items():
                 _check_shape(layer[key], shape, f"{where}[{key!r}]")
 
-    def __call__(self, params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
+    def __call__(self, params: dict, tokens: jax.Array, positions: jax.Array, cache: Cache, *,
                  exit_layer: int | None = None,
                  logits_index: jax.Array | None = None) -> ModelOutput:
         """One forward over S new tokens per row, writing their K/V into `cache` at `positions`.
@@ -372,7 +373,7 @@ class Llama:
                           preferred_element_type=jnp.float32)  # [B, S, V]
 
     def _block(self, p: dict, index: jax.Array, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+               positions: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """One decoder layer: pre-norm attention then pre-norm SwiGLU MLP, both residual."""
         cfg = self.config
         batch, seq, _ = x.shape
