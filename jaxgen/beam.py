@@ -25,10 +25,8 @@ early-stopping heuristic match HF's batched left-padded run and HF run on each r
 
 Example:
     >>> import jax, jaxgen
-    >>> from jaxgen.models import Llama, LlamaConfig
-    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
-    >>> params = model.init_params(jax.random.key(0))
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
     >>> cfg = GenerationConfig(num_beams=4, num_return_sequences=2, max_new_tokens=5,
     ...                        early_stopping=True)
     >>> out = jaxgen.generate(params, jaxgen.init_state(model, [[1, 2], [3]], cfg), cfg)

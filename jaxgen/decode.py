@@ -6,10 +6,8 @@ nothing runs in Python per step.
 
 Example:
     >>> import jax, jaxgen
-    >>> from jaxgen.models import Llama, LlamaConfig
-    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
-    >>> params = model.init_params(jax.random.key(0))
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
     >>> cfg = jaxgen.GenerationConfig(max_new_tokens=3)
     >>> state = jaxgen.init_state(model, [[1, 2, 3]], cfg)
     >>> final, record = DecodeLoop().run_loop(params, state, cfg)

@@ -23,10 +23,8 @@ recompiles).
 
 Example:
     >>> import jax, jax.numpy as jnp, jaxgen
-    >>> from jaxgen.models import Llama, LlamaConfig
-    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
-    >>> params = model.init_params(jax.random.key(0))
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
     >>> ban_7 = lambda scores, ctx: scores.at[:, 7].set(-jnp.inf)
     >>> long_enough = lambda ctx, scores: ctx.length - ctx.prompt_len >= 3
     >>> cfg = jaxgen.GenerationConfig(max_new_tokens=10)

@@ -9,10 +9,8 @@ compiled program.
 
 Example:
     >>> import jax, jaxgen
-    >>> from jaxgen.models import Llama, LlamaConfig
-    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
-    >>> params = model.init_params(jax.random.key(0))
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
     >>> rows = jaxgen.generate_ids(model, params, [[1, 2, 3], [4, 5]], max_new_tokens=4)
     >>> [len(row) for row in rows]
     [7, 6]

@@ -24,10 +24,9 @@ it to `DRAFTERS`.
 Example:
     >>> import jax
     >>> from jaxgen.config import GenerationConfig
-    >>> from jaxgen.models import Llama, LlamaConfig
+    >>> from jaxgen.models import tiny_llama
     >>> from jaxgen.state import init_state
-    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
+    >>> model, _ = tiny_llama()
     >>> cfg = GenerationConfig(max_new_tokens=4, prompt_lookup_num_tokens=3)
     >>> plan = make_plan(init_state(model, [[1, 2, 1]], cfg), cfg)
     >>> type(plan.loop).__name__, type(plan.loop.drafter).__name__, plan.driver, plan.donate

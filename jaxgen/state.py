@@ -17,9 +17,8 @@ cfg)` needs nothing else.
 Example:
     >>> import jax
     >>> from jaxgen.config import GenerationConfig
-    >>> from jaxgen.models import Llama, LlamaConfig
-    >>> model = Llama(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-    ...                           num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8))
+    >>> from jaxgen.models import tiny_llama
+    >>> model, _ = tiny_llama()
     >>> state = init_state(model, [[1, 2, 3], [4, 5]], GenerationConfig(max_new_tokens=4),
     ...                    jax.random.key(0))
     >>> state.tokens.shape      # prompt bucket 16 + 4 new tokens
