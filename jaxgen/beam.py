@@ -316,8 +316,10 @@ def beam_step(static: _Static, bs: BeamState, raw_logits: jax.Array) -> BeamStat
     improvable = bs.improvable & jnp.any(best_running[:, None] > worst_finished, axis=1)
     open_beam = ~(jnp.all(fin_done, axis=1) & (static.early_stopping is True))  # [B]
     continuable = ~jnp.all(hits, axis=1)  # [B]
-    invalid = bs.invalid | (bs.live & jnp.any(invalid_logits(raw_logits).reshape(batch, beams),
-                                              axis=1))  # [B]
+    invalid = bs.invalid  # [B]
+    if not static.cfg.remove_invalid_values:  # HF cleans the scores then and goes on
+        invalid = invalid | (bs.live & jnp.any(invalid_logits(raw_logits).reshape(batch, beams),
+                                               axis=1))
     live = bs.live & improvable & open_beam & continuable & ~invalid  # [B]
 
     # the running beams' sequences, and their cache rows gathered by source beam

@@ -67,9 +67,15 @@ def as_streamers(streamer, batch: int) -> list | None:
 
 def end_streamers(streamer, error: BaseException | None = None) -> None:
     """Ends every streamer in `streamer` (one, a list, or None): `end()`, or `fail(error)`
-    where the streamer has it and generation raised. Never raises itself."""
+    where the streamer has it and generation raised.
+
+    Every streamer is ended even if one of them raises. After a generation error a
+    streamer's own error is dropped (the generation error is the one the caller sees);
+    after a success the first streamer error is raised once all are ended.
+    """
     if streamer is None:
         return
+    first = None
     for each in streamer if isinstance(streamer, (list, tuple)) else [streamer]:
         try:
             fail = getattr(each, "fail", None)
@@ -77,8 +83,10 @@ def end_streamers(streamer, error: BaseException | None = None) -> None:
                 fail(error)
             elif callable(getattr(each, "end", None)):
                 each.end()
-        except Exception:  # a broken streamer must not hide the real error or the others
-            pass
+        except Exception as streamer_error:
+            first = first or streamer_error
+    if first is not None and error is None:
+        raise first
 
 
 class _Emitter:

@@ -3,34 +3,49 @@
     $ jaxgen "What is the capital of France?"             # streams, then a summary line
     $ jaxgen --chat                                         # interactive, history kept
     $ jaxgen --input prompts.jsonl --output out.jsonl       # batch work with a progress bar
+    $ jaxgen --input prompts.jsonl --output out.jsonl --resume   # continue after a stop
     $ jaxgen --model ./hf-folder --do-sample --temperature 0.7 --seed 1 "Hi"
 
-With no --model the embedded default (SmolLM2-135M-Instruct) answers. Errors are one line on
-stderr and a non-zero exit code (2 usage, 3 model, 4 input file, 1 anything else), never a
-traceback.
+With no --model the embedded default (SmolLM2-135M-Instruct) answers. Batch mode (checked
+input, crash-safe output, --resume, Ctrl-C within one chunk) lives in jaxgen.cli_batch.
+
+Errors are one line on stderr, never a traceback, with an exit code:
+    0 success, 1 runtime error (e.g. NaN/inf logits), 2 usage (flags, --output equal to
+    --input, an existing --output without --resume / --overwrite), 3 model, 4 input or output
+    file (a bad record names file:line), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM,
+    batch mode).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
-EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_INPUT = 1, 2, 3, 4
+from jaxgen.cli_batch import (EXIT_INPUT, EXIT_INTERRUPTED, EXIT_MODEL,  # noqa: F401
+                              EXIT_RUNTIME, EXIT_USAGE, CliError, run_batch)
 
-
-class CliError(Exception):
-    """A one-line error with its exit code."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
+INT32_MAX = 2**31 - 1
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise CliError(f"{message} (see jaxgen --help)", EXIT_USAGE)
+
+
+def _bounded_int(low: int, high: int):
+    """An argparse type: an integer in low..high (past int32 is a usage error, not a crash)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,19 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help="a Hugging Face checkpoint folder, a .gguf file or a known name "
                              "(default: the embedded smollm2-135m-instruct)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=_bounded_int(1, INT32_MAX), default=256)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-k", type=_bounded_int(0, INT32_MAX), default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--repetition-penalty", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_bounded_int(0, 2**32 - 1), default=0)
     parser.add_argument("--chat", action="store_true", help="interactive chat (stdin), history kept")
     parser.add_argument("--no-chat-template", action="store_true",
                         help="send the raw prompt instead of wrapping it in the chat template")
     parser.add_argument("--input", help="JSONL file of {\"prompt\": ...} or {\"messages\": [...]}")
-    parser.add_argument("--output", help="JSONL file to write (with --input)")
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per batch with --input")
+    parser.add_argument("--output", help="JSONL file to write (with --input; appended a batch "
+                                         "at a time, crash-safe)")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the records already in --output and continue")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an --output that already holds results")
+    parser.add_argument("--batch-size", type=_bounded_int(1, INT32_MAX), default=8,
+                        help="rows per batch with --input")
     parser.add_argument("--no-stream", action="store_true", help="print the answer at the end")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--quiet", action="store_true", help="no summary line")
@@ -135,12 +156,20 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
             if not args.no_stream:
                 print(text, end="" if not stream_end else "\n", flush=True)
 
+    from jaxgen.text import InvalidLogitsError, check_logits_valid
+
     timings = ChunkTimings()
     compiled_before = clock.seconds
     state = jaxgen.init_state(model, [row], cfg, jax.random.key(args.seed))
     out = jaxgen.generate(params, state, cfg, streamer=Printer(tokenizer, skip_prompt=True,
                                                                skip_special_tokens=True),
                           timings=timings)
+    try:
+        check_logits_valid(out.stop_reason, 1)
+    except InvalidLogitsError:
+        raise CliError("the model produced NaN/inf logits for this prompt (stop reason "
+                       "'invalid_logits'); its output is garbage: check the weights (or try "
+                       "--dtype float32)", EXIT_RUNTIME) from None
     text = "".join(pieces)
     if args.no_stream:
         print(text.strip())
@@ -178,83 +207,20 @@ def run_chat(model, params, tokenizer, cfg, args, clock) -> int:
     return 0
 
 
-def _read_jsonl(path: str) -> list:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            lines = [line for line in handle if line.strip()]
-    except OSError as error:
-        raise CliError(f"cannot read --input {path!r}: {error.strerror}", EXIT_INPUT) from None
-    items = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise CliError(f"{path}:{number}: not valid JSON ({error.msg})", EXIT_INPUT) from None
-        if isinstance(record, str):
-            record = {"prompt": record}
-        if not isinstance(record, dict) or not ("prompt" in record or "messages" in record):
-            raise CliError(f"{path}:{number}: expected an object with \"prompt\" or "
-                           f"\"messages\"", EXIT_INPUT)
-        items.append(record)
-    if not items:
-        raise CliError(f"--input {path!r} holds no prompts", EXIT_INPUT)
-    return items
-
-
-def run_batch(model, params, tokenizer, cfg, args) -> int:
-    import jax
-    from tqdm import tqdm
-
-    import jaxgen
-    from jaxgen.generate import outputs_to_lists
-
-    if args.batch_size < 1:
-        raise CliError("--batch-size must be >= 1", EXIT_USAGE)
-    records = _read_jsonl(args.input)
-    use_template = not args.no_chat_template and tokenizer.chat_template is not None
-    try:
-        sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    except OSError as error:
-        raise CliError(f"cannot write --output {args.output!r}: {error.strerror}",
-                       EXIT_INPUT) from None
-    total_new, start = 0, time.perf_counter()
-    with tqdm(total=len(records), unit="prompt", file=sys.stderr, disable=args.quiet) as bar:
-        for first in range(0, len(records), args.batch_size):
-            chunk = records[first:first + args.batch_size]
-            prompts = [r.get("messages", r.get("prompt")) for r in chunk]
-            rows = _rows(tokenizer, prompts, use_template)
-            keys = jax.random.split(jax.random.key(args.seed), len(rows))
-            out = jaxgen.generate(params, jaxgen.init_state(model, rows, cfg, keys), cfg)
-            for record, row, full in zip(chunk, rows, outputs_to_lists(out)):
-                new = full[len(row):]
-                total_new += len(new)
-                result = dict(record)
-                result["completion"] = tokenizer.decode(new, skip_special_tokens=True)
-                result["new_tokens"] = len(new)
-                sink.write(json.dumps(result, ensure_ascii=False) + "\n")
-            sink.flush()
-            bar.update(len(chunk))
-    if sink is not sys.stdout:
-        sink.close()
-    if not args.quiet:
-        elapsed = time.perf_counter() - start
-        print(f"[{len(records)} prompts, {total_new} new tokens, {total_new / elapsed:.1f} "
-              f"tokens/s]", file=sys.stderr)
-    return 0
-
-
 def run(args) -> int:
-    if args.max_new_tokens < 1:
-        raise CliError("--max-new-tokens must be >= 1", EXIT_USAGE)
-    if args.output and not args.input:
-        raise CliError("--output needs --input", EXIT_USAGE)
+    for flag in ("output", "resume", "overwrite"):
+        if getattr(args, flag) and not args.input:
+            raise CliError(f"--{flag} needs --input", EXIT_USAGE)
     if args.chat and (args.input or args.prompt):
         raise CliError("--chat reads turns from stdin: drop the prompt / --input", EXIT_USAGE)
+    if args.input:
+        if args.prompt is not None:
+            raise CliError("--input reads the prompts from the file: drop the prompt",
+                           EXIT_USAGE)
+        return run_batch(args, load_model, make_config)
     clock = _CompileClock()
     model, params, tokenizer = load_model(args)
     cfg = make_config(model, args)
-    if args.input:
-        return run_batch(model, params, tokenizer, cfg, args)
     if args.chat:
         return run_chat(model, params, tokenizer, cfg, args, clock)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -262,6 +228,11 @@ def run(args) -> int:
         raise CliError("empty prompt", EXIT_USAGE)
     answer_streaming(model, params, tokenizer, cfg, prompt, args, clock)
     return 0
+
+
+def _one_line(text: str) -> str:
+    """Error text on one line (XLA and template errors span several)."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
 def main(argv=None) -> int:
@@ -273,14 +244,15 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         return run(args)
     except CliError as error:
-        print(f"jaxgen: error: {error}", file=sys.stderr)
+        print(f"jaxgen: error: {_one_line(error)}", file=sys.stderr)
         return error.code
     except KeyboardInterrupt:
-        return 130
+        print("jaxgen: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         return 0
     except Exception as error:  # one line, never a traceback
-        print(f"jaxgen: error: {type(error).__name__}: {error}", file=sys.stderr)
+        print(f"jaxgen: error: {type(error).__name__}: {_one_line(error)}", file=sys.stderr)
         return EXIT_RUNTIME
 
 

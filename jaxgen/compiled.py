@@ -11,10 +11,16 @@ jaxgen.speculative.SpeculativeLoop or a custom_generate wrapper): equal loops sh
 compiled program. `inputs` are the loop's dynamic extras (draft params, start lengths) or
 None. New prompts of the same bucket, new sampling values and new keys reuse the program.
 
-Example:
-    >>> before = trace_count()
-    >>> trace_count() >= before
-    True
+Example (a second call with new prompts of the same bucket reuses the program):
+    >>> import jaxgen
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
+    >>> cfg = jaxgen.GenerationConfig(max_new_tokens=3)
+    >>> before = jaxgen.trace_count()
+    >>> for prompts in ([[1, 2, 3]], [[4, 5]]):
+    ...     _ = jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg), cfg)
+    >>> jaxgen.trace_count() - before
+    1
 """
 from __future__ import annotations
 

@@ -71,6 +71,11 @@ class Model(Protocol):
 
 
 # ------------------------------------------------------------------------- drafter
+# A drafter's own state between rounds: any PyTree it chooses (the draft model's KV cache,
+# the last MTP hidden state, ...) or None for drafters that keep nothing (prompt lookup).
+DraftState = Any
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Proposal:
@@ -150,12 +155,13 @@ class Drafter(Protocol):
     scheduled: ClassVar[bool]
     reads: ClassVar[frozenset]
 
-    def init(self, draft_params: Any, state: Any) -> Any: ...
+    def init(self, draft_params: Any, state: Any) -> DraftState: ...
 
-    def propose(self, draft_params: Any, draft_state: Any,
-                request: DraftRequest) -> tuple[Proposal, Any, Cache]: ...
+    def propose(self, draft_params: Any, draft_state: DraftState,
+                request: DraftRequest) -> tuple[Proposal, DraftState, Cache]: ...
 
-    def rollback(self, draft_state: Any, length: jax.Array) -> Any: ...
+    def rollback(self, draft_state: DraftState, length: jax.Array) -> DraftState: ...
 
 
-__all__ = ["Cache", "Drafter", "DraftRequest", "Model", "ModelOutput", "Proposal"]
+__all__ = ["Cache", "DraftState", "Drafter", "DraftRequest", "Model", "ModelOutput",
+           "Proposal"]

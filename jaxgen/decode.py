@@ -52,8 +52,9 @@ def decode_start(params, state: DecodeState, cfg: GenerationConfig,
                  ext: Extensions = NO_EXTENSIONS) -> tuple[DecodeState, StepRecord]:
     """Empty step records, the prefill and the first new token (step 0) of every row.
 
-    The plain loop, its chunked form and the assisted loop start here; beam search runs
-    the same prefill (jaxgen.step.prefill) and then expands the rows to beams.
+    The plain loop and its chunked form start here; the assisted loop runs the same
+    prefill and `choose_and_write` (also asking for the prompt's hidden state), and beam
+    search the same prefill before it expands the rows to beams.
     """
     record = StepRecord.for_state(state, cfg)
     state, logits = prefill(params, state, cfg.prefill_chunk_size)

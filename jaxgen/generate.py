@@ -84,13 +84,8 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     except BaseException as error:
         end_streamers(streamer, error)
         raise
-    if plan.driver == "single":
-        try:
-            return execute(plan, params, state, cfg)
-        except BaseException as error:
-            end_streamers(streamer, error)
-            raise
-    return execute(plan, params, state, cfg)  # the chunked driver ends its streamers
+    return execute(plan, params, state, cfg)  # a streamer implies the chunked driver, which
+    #                                           ends its streamers on every path
 
 
 def default_config(model, cfg: GenerationConfig | None = None, **overrides: Any) -> GenerationConfig:

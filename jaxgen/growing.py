@@ -58,7 +58,7 @@ def grow(state: DecodeState, needed: int) -> DecodeState:
     return state.replace(cache=state.cache.resize(new))
 
 
-def grow_before_chunks(cfg: GenerationConfig, log: list,
+def grow_before_chunks(log: list,
                        on_chunk: Callable[[DecodeState, ChunkInfo], None] | None = None):
     """The chunked driver's `prepare_chunk` hook for the growing cache: re-allocates the
     cache before a chunk that would not fit and logs a ChunkInfo per chunk into `log`."""
@@ -99,5 +99,5 @@ def run_growing(params, state: DecodeState, cfg: GenerationConfig,
     log: list[ChunkInfo] = []
     out = run_chunked(DecodeLoop(ext), params, state, cfg, None,
                       chunk_size=growing_chunk_size(cfg, chunk_size),
-                      prepare_chunk=grow_before_chunks(cfg, log, on_chunk), **chunked_options)
+                      prepare_chunk=grow_before_chunks(log, on_chunk), **chunked_options)
     return out.state, out, log

@@ -177,6 +177,9 @@ def _choose_driver(cfg: GenerationConfig, loop, traced: bool, streamer, stop_eve
     if isinstance(loop, BeamLoop):
         raise ValueError(f"{what} are not supported with beam search (num_beams > 1), as in "
                          f"Hugging Face; use greedy or sampling")
+    if not getattr(loop, "chunkable", False):
+        raise ValueError(f"{what} need a loop that runs in chunks; {type(loop).__name__} "
+                         f"does not")
     if growing and isinstance(loop, SpeculativeLoop):
         raise ValueError("cache_implementation='dynamic' cannot be combined with assisted "
                          "decoding (assistant_model / prompt lookup); use 'static'")
@@ -210,9 +213,10 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
                                    or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     # Beam search repeats the prompt cache into a new [B*num_beams] cache: no input buffer
-    # could be aliased to an output, so the state is not donated (and stays usable). Under
-    # jax.vmap / jit nothing may be donated: the caller's arrays are shared.
-    donate = not traced and not isinstance(loop, BeamLoop)
+    # could be aliased to an output, so the state is not donated (and stays usable); the
+    # same for a custom_generate with num_beams > 1. Under jax.vmap / jit nothing may be
+    # donated: the caller's arrays are shared.
+    donate = not traced and cfg.num_beams == 1
     return Plan(loop=loop, driver=driver, donate=donate, inputs=inputs, chunk_size=chunk_size,
                 streamer=streamer, max_time=cfg.max_time, stop_event=stop_event,
                 timings=timings)
@@ -241,7 +245,7 @@ def execute(plan: Plan, params, state: DecodeState, cfg: GenerationConfig) -> Ge
     if plan.driver == "growing":
         return run_chunked(plan.loop, params, state, jit_cfg, plan.inputs,
                            chunk_size=growing_chunk_size(cfg, plan.chunk_size),
-                           prepare_chunk=grow_before_chunks(cfg, []), **options)
+                           prepare_chunk=grow_before_chunks([]), **options)
     return run_chunked(plan.loop, params, state, jit_cfg, plan.inputs,
                        chunk_size=plan.chunk_size or DEFAULT_CHUNK, **options)
 

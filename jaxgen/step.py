@@ -57,27 +57,43 @@ def prefill_tokens(model, params, tokens: jax.Array, prompt_len: jax.Array, cach
     hidden state [B, D] when `with_hidden`.
 
     chunk: `prefill_chunk_size`: the block runs in pieces of `chunk` positions (bounded
-    activation memory for long prompts); the result is the same.
+    activation memory for long prompts; a `lax.fori_loop` over the equal pieces, so the
+    program does not grow with the prompt), with the same result.
     """
     batch, bucket = tokens.shape
     last = (prompt_len - 1)[:, None]  # [B, 1]
     chunk = bucket if chunk is None else min(int(chunk), bucket)
-    logits = hidden = None
-    for begin in range(0, bucket, chunk):
-        end = min(begin + chunk, bucket)
-        positions = jnp.broadcast_to(jnp.arange(begin, end, dtype=jnp.int32),
-                                     (batch, end - begin))  # [B, c]
-        index = jnp.clip(last - begin, 0, end - begin - 1)  # [B, 1]
-        if begin:
-            cache = cache.with_length(jnp.full((batch,), begin, jnp.int32))
-        out = model(params, tokens[:, begin:end], positions, cache, logits_index=index)
-        cache = out.cache
-        here = ((last >= begin) & (last < end))  # [B, 1]
-        piece = out.logits[:, 0].astype(jnp.float32)  # [B, V]
-        logits = piece if logits is None else jnp.where(here, piece, logits)
+
+    def piece(begin, size, cache, logits, hidden):
+        """Positions begin .. begin+size-1 (begin may be traced, size is static)."""
+        block = jax.lax.dynamic_slice_in_dim(tokens, begin, size, axis=1)  # [B, c]
+        positions = begin + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32),
+                                             (batch, size))  # [B, c]
+        index = jnp.clip(last - begin, 0, size - 1)  # [B, 1]
+        out = model(params, block, positions, cache, logits_index=index)
+        here = (last >= begin) & (last < begin + size)  # [B, 1]
+        logits = jnp.where(here, out.logits[:, 0].astype(jnp.float32), logits)  # [B, V]
         if with_hidden:
             h = jnp.take_along_axis(out.hidden, index[:, :, None], axis=1)[:, 0]  # [B, D]
-            hidden = h if hidden is None else jnp.where(here, h, hidden)
+            hidden = jnp.where(here, h.astype(hidden.dtype), hidden)
+        return out.cache, logits, hidden
+
+    vocab = model.vocab_size
+    logits = jnp.zeros((batch, vocab), jnp.float32)  # [B, V]
+    hidden = None
+    if with_hidden:
+        shape = jax.eval_shape(lambda: model(params, tokens[:, :1], jnp.zeros((batch, 1),
+                                             jnp.int32), cache).hidden)
+        hidden = jnp.zeros((batch, shape.shape[-1]), shape.dtype)  # [B, D]
+    full = bucket // chunk  # equal pieces; the remainder runs once after them
+    if full == 1:
+        cache, logits, hidden = piece(0, chunk, cache, logits, hidden)
+    elif full > 1:
+        def body(i, carry):
+            return piece(i * chunk, chunk, *carry)
+        cache, logits, hidden = jax.lax.fori_loop(0, full, body, (cache, logits, hidden))
+    if bucket % chunk:
+        cache, logits, hidden = piece(full * chunk, bucket % chunk, cache, logits, hidden)
     cache = cache.with_length(prompt_len)
     return (cache, logits, hidden) if with_hidden else (cache, logits)
 
@@ -157,7 +173,8 @@ def stop_flags(cfg: GenerationConfig, *, tokens: jax.Array, new_length: jax.Arra
     """Every stop condition after a token was written: EOS, budget, stop strings, user
     criteria and invalid logits. tokens [N, T] include the token; new_length, token,
     prompt_len, max_new [N]; scores [N, V] the processed scores it came from (for user
-    criteria); raw_logits [N, V] (for the invalid-logits check)."""
+    criteria); raw_logits [N, V] (for the invalid-logits check, skipped when the config asks
+    for `remove_invalid_values`: HF then cleans the scores and generation goes on)."""
     flags = StopFlags(
         eos=stopping.hit_eos(token, cfg.eos_ids),
         full=stopping.out_of_budget(new_length, prompt_len, max_new, buffer_len))
@@ -168,7 +185,7 @@ def stop_flags(cfg: GenerationConfig, *, tokens: jax.Array, new_length: jax.Arra
         ctx = processor_context(tokens, new_length, prompt_len, max_new)
         flags = dataclasses.replace(flags, custom=stopping.custom_stop(ext.stopping_criteria,
                                                                        ctx, scores))
-    if raw_logits is not None:
+    if raw_logits is not None and not cfg.remove_invalid_values:
         flags = dataclasses.replace(flags, invalid=invalid_logits(raw_logits))
     return flags
 

@@ -5,8 +5,8 @@ Stop reasons (int32 per row, `GenerateOutput.stop_reason`):
     4 CUSTOM (a user stopping criterion), 5 MAX_TIME (`max_time` ran out; chunked driver),
     6 CANCELLED (a streamer's cancel() or a stop_event; chunked driver),
     7 INVALID_LOGITS (the model produced NaN / inf logits for the row: its output is garbage).
-When several fire at the same step the first in the order EOS, STOP_STRING, CUSTOM,
-MAX_LENGTH is recorded.
+When several fire at the same step the first in the order INVALID_LOGITS, EOS, STOP_STRING,
+CUSTOM, MAX_LENGTH is recorded (jaxgen.step.reason_of, shared by every loop).
 
 Custom criteria are traceable callables `criterion(ctx, scores) -> bool [B]` (True = stop the
 row), evaluated after the new token is written: `ctx` is a `jaxgen.processors.
@@ -60,21 +60,3 @@ def custom_stop(criteria: Sequence[StoppingCriterionFn], ctx, scores: jax.Array)
                              f"(B={batch}), got {out.dtype} {out.shape}")
         hit |= jnp.broadcast_to(out, (batch,))
     return hit  # [B]
-
-
-def update_stop(done: jax.Array, reason: jax.Array, newly_eos: jax.Array,
-                newly_full: jax.Array, newly_stop_string: jax.Array | None = None,
-                newly_custom: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Marks rows done, recording the first reason that stopped them.
-
-    Priority at the same step: EOS, STOP_STRING, CUSTOM, MAX_LENGTH. Rows already done keep
-    their reason.
-    """
-    none = jnp.zeros_like(done)
-    stop_string = none if newly_stop_string is None else newly_stop_string
-    custom = none if newly_custom is None else newly_custom
-    new_reason = jnp.where(newly_eos, EOS, jnp.where(
-        stop_string, STOP_STRING, jnp.where(custom, CUSTOM, jnp.where(
-            newly_full, MAX_LENGTH, NOT_STOPPED))))
-    reason = jnp.where(done, reason, new_reason)
-    return done | newly_eos | newly_full | stop_string | custom, reason.astype(jnp.int32)

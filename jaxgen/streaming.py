@@ -9,7 +9,8 @@ sequence, exactly HF's contract, so every existing consumer (a printer, an itera
 thread, an async iterator) works unchanged per row. A single streamer with a batch of more
 than one row is an error, as in HF.
 
-    BaseStreamer               the protocol (put / end), plus `cancel()` / `cancelled`
+    BaseStreamer               the protocol (put / end), plus `fail(exc)`, `cancel()` /
+                               `cancelled`
     TextStreamer               prints words as they complete (holds back partial words and
                                incomplete UTF-8), `skip_prompt`, decode kwargs
     TextIteratorStreamer       a queue for a consumer on another thread (`timeout`)
@@ -18,9 +19,27 @@ than one row is an error, as in HF.
 Cancelling: a consumer calls `streamer.cancel()` (or sets the `stop_event` it passed in);
 the driver checks between chunks, so generation ends within one chunk.
 
-Example:
-    >>> streamer = TextStreamer(tokenizer, skip_prompt=True)
-    >>> jaxgen.generate_text(model, params, tokenizer, "Hi", chat=True, streamer=streamer)
+Failing: when generation raises (a bad config found in `generate`, a processor that raises,
+an error on the device), the producer calls `streamer.fail(exc)` instead of `end()`. An
+iterator streamer's consumer then re-raises `exc` (the same exception object) instead of
+waiting for text that will never come; the other streamers print what they hold, as `end()`.
+`end()` and `fail()` are idempotent: once a stream is ended or failed, further calls are
+no-ops until the next `put` starts a new stream. Every consumer ends: with the text, with
+the producer's exception, or (with `timeout`) with its timeout.
+
+Example (a tiny random model, so the text is noise; the stream equals the result):
+    >>> import jaxgen
+    >>> from jaxgen.models import TINY_VOCAB, tiny_llama, tiny_tokenizer
+    >>> tok = tiny_tokenizer()
+    >>> model, params = tiny_llama(vocab_size=TINY_VOCAB)
+    >>> class Collect(TextStreamer):
+    ...     def on_finalized_text(self, text, stream_end=False):
+    ...         self.text = getattr(self, "text", "") + text
+    >>> streamer = Collect(tok, skip_prompt=True)
+    >>> [answer] = jaxgen.generate_text(model, params, tok, "the stop", streamer=streamer,
+    ...                                 max_new_tokens=8)
+    >>> streamer.text == answer
+    True
 """
 from __future__ import annotations
 
@@ -44,6 +63,15 @@ class BaseStreamer:
     def end(self) -> None:
         raise NotImplementedError
 
+    def fail(self, exc: BaseException) -> None:
+        """Ends the stream because generation raised `exc` (default: `end()`).
+
+        Streamers with a consumer on another thread override it so that the consumer raises
+        `exc` instead of waiting forever.
+        """
+        _check_exception(exc)
+        self.end()
+
     def cancel(self) -> None:
         """Asks the generation feeding this streamer to stop (honoured between chunks)."""
         self._stop_event.set()
@@ -51,6 +79,21 @@ class BaseStreamer:
     @property
     def cancelled(self) -> bool:
         return self._stop_event.is_set()
+
+
+def _check_exception(exc) -> None:
+    if not isinstance(exc, BaseException):
+        raise TypeError(f"fail() takes the exception that ended generation, got "
+                        f"{type(exc).__name__}")
+
+
+class _Failed:
+    """Queue item: the producer failed with `error` (re-raised by the consumer)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 def _as_ids(value) -> list[int]:
@@ -75,11 +118,16 @@ class TextStreamer(BaseStreamer):
 
     Text is flushed at a newline, after a CJK character, or up to the last space; a trailing
     replacement character (an incomplete UTF-8 sequence) is never emitted before the end.
-    `on_finalized_text` prints; subclasses override it.
+    `on_finalized_text` prints; subclasses override it. `fail(exc)` flushes what is held, like
+    `end()`, and records the exception in `error`; `on_failed(text, exc)` is the hook.
     """
 
     def __init__(self, tokenizer, skip_prompt: bool = False, *,
                  stop_event: threading.Event | None = None, **decode_kwargs: Any):
+        if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"{type(self).__name__} needs a tokenizer with a decode() method "
+                            f"to turn token ids into text, got "
+                            f"{'None' if tokenizer is None else type(tokenizer).__name__}")
         super().__init__(stop_event)
         self.tokenizer = tokenizer
         self.skip_prompt = skip_prompt
@@ -87,9 +135,34 @@ class TextStreamer(BaseStreamer):
         self.token_cache: list[int] = []
         self.print_len = 0
         self.next_tokens_are_prompt = True
+        self.error: BaseException | None = None  # set by fail()
+        self._closed = False  # ended or failed; the next put() opens a new stream
+        self._close_lock = threading.Lock()
+
+    def _close(self) -> bool:
+        """Marks the stream closed; False when it already was (end / fail are idempotent)."""
+        with self._close_lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+    def _flush(self) -> str:
+        if self.token_cache:
+            text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+            printable = text[self.print_len:]
+        else:
+            printable = ""
+        self.token_cache, self.print_len = [], 0
+        self.next_tokens_are_prompt = True
+        return printable
 
     def put(self, value) -> None:
         ids = _as_ids(value)
+        if self._closed:  # a new stream (the streamer is reused for another generation)
+            with self._close_lock:
+                self._closed = False
+            self.error = None
         if self.skip_prompt and self.next_tokens_are_prompt:
             self.next_tokens_are_prompt = False
             return
@@ -112,29 +185,45 @@ class TextStreamer(BaseStreamer):
         self.on_finalized_text(printable)
 
     def end(self) -> None:
-        if self.token_cache:
-            text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
-            printable = text[self.print_len:]
-        else:
-            printable = ""
-        self.token_cache, self.print_len = [], 0
-        self.next_tokens_are_prompt = True
-        self.on_finalized_text(printable, stream_end=True)
+        """Flushes the held-back text and ends the stream. A second call is a no-op."""
+        if self._close():
+            self.on_finalized_text(self._flush(), stream_end=True)
+
+    def fail(self, exc: BaseException) -> None:
+        """Ends the stream because generation raised `exc`. A no-op once ended or failed."""
+        _check_exception(exc)
+        if self._close():
+            self.error = exc
+            self.on_failed(self._flush(), exc)
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         print(text, flush=True, end="" if not stream_end else None)
+
+    def on_failed(self, text: str, exc: BaseException) -> None:
+        """Called once by `fail()` with the held-back text; default: as the end of a stream."""
+        self.on_finalized_text(text, stream_end=True)
 
 
 class TextIteratorStreamer(TextStreamer):
     """Text chunks through a queue: run generation on a worker thread, iterate on this one.
 
     `timeout` (seconds) bounds each wait; a wait that times out raises `queue.Empty`.
+    When generation fails the producer calls `fail(exc)`: the consumer gets the text produced
+    so far, then `exc` is raised from the iteration.
 
     Example:
-        >>> streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
-        >>> threading.Thread(target=jaxgen.generate_text, args=(model, params, tokenizer, "Hi"),
-        ...                  kwargs=dict(streamer=streamer)).start()
-        >>> text = "".join(streamer)
+        >>> import jaxgen
+        >>> from jaxgen.models import TINY_VOCAB, tiny_llama, tiny_tokenizer
+        >>> tok = tiny_tokenizer()
+        >>> model, params = tiny_llama(vocab_size=TINY_VOCAB)
+        >>> streamer = TextIteratorStreamer(tok, skip_prompt=True, timeout=60)
+        >>> result = []
+        >>> worker = threading.Thread(target=lambda: result.extend(jaxgen.generate_text(
+        ...     model, params, tok, "the stop", streamer=streamer, max_new_tokens=8)))
+        >>> worker.start()
+        >>> text = "".join(streamer)   # raises what generate_text raised, if it did
+        >>> worker.join(); text == result[0]
+        True
     """
 
     def __init__(self, tokenizer, skip_prompt: bool = False, timeout: float | None = None, *,
@@ -149,6 +238,11 @@ class TextIteratorStreamer(TextStreamer):
         if stream_end:
             self.text_queue.put(self.stop_signal, timeout=self.timeout)
 
+    def on_failed(self, text: str, exc: BaseException) -> None:
+        if text:
+            self.text_queue.put(text)
+        self.text_queue.put(_Failed(exc))
+
     def __iter__(self):
         return self
 
@@ -156,6 +250,8 @@ class TextIteratorStreamer(TextStreamer):
         value = self.text_queue.get(timeout=self.timeout)
         if value is self.stop_signal:
             raise StopIteration()
+        if isinstance(value, _Failed):
+            raise value.error
         return value
 
 
@@ -163,7 +259,8 @@ class AsyncTextIteratorStreamer(TextStreamer):
     """Text chunks for asyncio: `async for text in streamer` inside the event loop.
 
     Create it inside a running event loop; generation runs in a thread (e.g.
-    `loop.run_in_executor`). A wait longer than `timeout` raises `TimeoutError`.
+    `loop.run_in_executor`). A wait longer than `timeout` raises `TimeoutError`. After
+    `fail(exc)` (from any thread) the `async for` raises `exc`.
     """
 
     def __init__(self, tokenizer, skip_prompt: bool = False, timeout: float | None = None, *,
@@ -179,6 +276,14 @@ class AsyncTextIteratorStreamer(TextStreamer):
         if stream_end:
             self.loop.call_soon_threadsafe(self.text_queue.put_nowait, self.stop_signal)
 
+    def on_failed(self, text: str, exc: BaseException) -> None:
+        try:
+            if text:
+                self.loop.call_soon_threadsafe(self.text_queue.put_nowait, text)
+            self.loop.call_soon_threadsafe(self.text_queue.put_nowait, _Failed(exc))
+        except RuntimeError:  # the event loop is closed: no consumer is left to wake
+            pass
+
     def __aiter__(self):
         return self
 
@@ -189,4 +294,6 @@ class AsyncTextIteratorStreamer(TextStreamer):
             raise TimeoutError() from None
         if value is self.stop_signal:
             raise StopAsyncIteration()
+        if isinstance(value, _Failed):
+            raise value.error
         return value

@@ -1,18 +1,65 @@
 """Text in, text out: tokenization, chat templates and decoding around `generate_ids`.
 
-Example:
-    >>> model, params, tok = jaxgen.models.load("smollm2-135m-instruct")
+Example (a tiny random model and byte-level tokenizer: the text is noise, its shape is not):
+    >>> from jaxgen.models import TINY_VOCAB, tiny_llama, tiny_tokenizer
+    >>> tok = tiny_tokenizer()
+    >>> model, params = tiny_llama(vocab_size=TINY_VOCAB)
+    >>> answers = generate_text(model, params, tok, ["the stop", "a"], max_new_tokens=4)
+    >>> len(answers), all(isinstance(a, str) for a in answers)
+    (2, True)
+
+With the embedded model (illustration: loads SmolLM2-135M-Instruct):
+    >>> import jaxgen
+    >>> model, params, tok = jaxgen.models.load("smollm2-135m-instruct")  # doctest: +SKIP
     >>> generate_text(model, params, tok, "What is the capital of France?", chat=True,
-    ...               max_new_tokens=16)
+    ...               max_new_tokens=16)  # doctest: +SKIP
     ['The capital of France is Paris.']
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
+from jaxgen import stopping
 from jaxgen.config import GenerationConfig
 from jaxgen.generate import default_config, generate, outputs_to_lists
 from jaxgen.state import init_state
+
+
+class InvalidLogitsError(RuntimeError):
+    """The model produced NaN / inf logits for a prompt (stop reason INVALID_LOGITS).
+
+    `prompts`: the 0-based indices of the prompts whose rows ended that way.
+    """
+
+    def __init__(self, message: str, prompts: Sequence[int] = ()):
+        super().__init__(message)
+        self.prompts = tuple(prompts)
+
+
+def invalid_logits_prompts(stop_reason, num_prompts: int) -> list[int]:
+    """0-based prompt indices whose output rows ended with stopping.INVALID_LOGITS.
+
+    stop_reason: int [R] per output row; R is a multiple of num_prompts (rows of one prompt
+    are adjacent, as with num_return_sequences).
+    """
+    reasons = np.asarray(stop_reason).reshape(-1)
+    per_prompt = max(len(reasons) // max(num_prompts, 1), 1)
+    bad = np.flatnonzero(reasons == stopping.INVALID_LOGITS) // per_prompt
+    return sorted({int(b) for b in bad})
+
+
+def check_logits_valid(stop_reason, num_prompts: int) -> None:
+    """Raises InvalidLogitsError when a row ended with stop reason INVALID_LOGITS."""
+    bad = invalid_logits_prompts(stop_reason, num_prompts)
+    if bad:
+        which = (f"prompt {bad[0]}" if len(bad) == 1 else
+                 f"prompts {', '.join(str(b) for b in bad)}")
+        raise InvalidLogitsError(
+            f"the model produced NaN/inf logits for {which} (stop reason "
+            f"{stopping.STOP_REASONS[stopping.INVALID_LOGITS]!r}); its output is garbage: check "
+            f"the weights (and try dtype float32)", bad)
 
 
 def encode_prompts(tokenizer, prompts: str | Sequence[str], *, chat: bool) -> list[list[int]]:
@@ -46,13 +93,26 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
     prompt ids first (use skip_prompt=True to hide them), then the new tokens as they come.
 
     The tokenizer also builds the stop-string tables when cfg.stop_strings is set.
+
+    Streamers are always ended: `end()`, or `fail(exc)` when generation raised (a consumer
+    on another thread then raises instead of waiting).
+    Raises InvalidLogitsError (naming the prompt) when the model produced NaN / inf logits
+    for a row, rather than returning its garbage text.
     """
-    cfg = default_config(model, cfg, **overrides)
-    rows = encode_prompts(tokenizer, prompts, chat=chat)
-    out = generate(params, init_state(model, rows, cfg, key, tokenizer=tokenizer), cfg,
+    try:
+        cfg = default_config(model, cfg, **overrides)
+        rows = encode_prompts(tokenizer, prompts, chat=chat)
+        state = init_state(model, rows, cfg, key, tokenizer=tokenizer)
+    except BaseException as error:  # generate() never ran: end the streamers here
+        from jaxgen.chunked import end_streamers
+
+        end_streamers(streamer, error)
+        raise
+    out = generate(params, state, cfg,
                    logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                    custom_generate=custom_generate, assistant_model=assistant_model,
                    streamer=streamer, stop_event=stop_event, timings=timings)
+    check_logits_valid(out.stop_reason, len(rows))
     texts = []
     for prompt, full in zip(rows, outputs_to_lists(out)):
         texts.append(tokenizer.decode(full[len(prompt):], skip_special_tokens=skip_special_tokens))

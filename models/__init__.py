@@ -7,8 +7,8 @@ Example (illustration: loading the embedded SmolLM2-135M takes several seconds):
 """
 from .llama import Llama, LlamaConfig, ModelOutput, unstack_layers
 from .registry import DEFAULT_MODEL, KNOWN_MODELS, load
-from .tiny import tiny_llama
+from .tiny import TINY_VOCAB, tiny_llama, tiny_tokenizer
 from .tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "Llama", "LlamaConfig", "ModelOutput", "Tokenizer",
-           "load", "tiny_llama", "unstack_layers"]
+           "TINY_VOCAB", "load", "tiny_llama", "tiny_tokenizer", "unstack_layers"]

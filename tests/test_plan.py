@@ -167,12 +167,16 @@ def test_a_drafter_kind_is_one_module_and_one_plan_entry(monkeypatch):
 
 # ------------------------------------------------------------------------- config fields
 @pytest.mark.parametrize("chunk", [1, 5, 16])
-@pytest.mark.parametrize("mode", [dict(), dict(num_beams=2),
-                                  dict(prompt_lookup_num_tokens=3)])
-def test_prefill_chunk_size_gives_the_same_tokens(chunk, mode):
+@pytest.mark.parametrize("mode, hooks", [
+    (dict(), dict()), (dict(num_beams=2), dict()), (dict(prompt_lookup_num_tokens=3), dict()),
+    (dict(), dict(assistant_model=(MODEL, PARAMS))),
+    (dict(cache_implementation="quantized", cache_config={"residual_length": 4}), dict()),
+    (dict(cache_implementation="sliding_window", cache_config={"sliding_window": 6}), dict()),
+])
+def test_prefill_chunk_size_gives_the_same_tokens(chunk, mode, hooks):
     base = jaxgen.GenerationConfig(max_new_tokens=8, **mode)
-    whole = greedy(base)
-    chunked = greedy(base.replace(prefill_chunk_size=chunk))
+    whole = greedy(base, **hooks)
+    chunked = greedy(base.replace(prefill_chunk_size=chunk), **hooks)
     chex.assert_trees_all_equal(whole.sequences, chunked.sequences)
     chex.assert_trees_all_close(whole.token_logprobs, chunked.token_logprobs, atol=1e-4)
 

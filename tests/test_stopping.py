@@ -89,7 +89,9 @@ def test_stop_reason_priority():
     full = jnp.array([True, True, False, True, False, True])
     string = jnp.array([True, True, True, False, False, False])
     custom = jnp.array([True, True, True, True, False, False])
-    new_done, new_reason = stopping.update_stop(done, reason, eos, full, string, custom)
+    from jaxgen.step import StopFlags, mark_done
+    flags = StopFlags(eos=eos, full=full, string=string, custom=custom)
+    new_done, new_reason = mark_done(done, reason, flags, ~done)
     assert new_done.tolist() == [True, True, True, True, False, True]
     assert new_reason.tolist() == [stopping.EOS, stopping.STOP_STRING, stopping.STOP_STRING,
                                    stopping.CUSTOM, stopping.NOT_STOPPED, stopping.CUSTOM]

@@ -97,8 +97,16 @@ def test_iterator_streamer_from_another_thread(tokenizers_pair):
     assert text == ours_tok.decode(ids)
 
 
+class CharTokenizer:
+    """Token id i is chr(i): enough to decode in the streamer tests without a model."""
+
+    @staticmethod
+    def decode(ids, **_):
+        return "".join(chr(i) for i in ids)
+
+
 def test_iterator_streamer_times_out():
-    streamer = TextIteratorStreamer(tokenizer=None, timeout=0.05)
+    streamer = TextIteratorStreamer(CharTokenizer(), timeout=0.05)
     with pytest.raises(queue.Empty):
         next(streamer)
 
@@ -126,7 +134,7 @@ def test_async_streamer_inside_an_event_loop(tokenizers_pair):
 
 def test_async_streamer_times_out():
     async def wait():
-        streamer = AsyncTextIteratorStreamer(tokenizer=None, timeout=0.05)
+        streamer = AsyncTextIteratorStreamer(CharTokenizer(), timeout=0.05)
         with pytest.raises(TimeoutError):
             await streamer.__anext__()
 
@@ -145,3 +153,145 @@ def test_cancel_sets_the_flag(tokenizers_pair):
     assert not streamer.cancelled
     event.set()
     assert streamer.cancelled
+
+
+@pytest.mark.parametrize("cls", [TextStreamer, TextIteratorStreamer])
+def test_a_text_streamer_needs_a_tokenizer(cls):
+    with pytest.raises(TypeError, match="needs a tokenizer"):
+        cls(None)
+    with pytest.raises(TypeError, match="needs a tokenizer"):
+        cls(object())
+
+
+def test_async_streamer_needs_a_tokenizer():
+    async def build():
+        with pytest.raises(TypeError, match="needs a tokenizer"):
+            AsyncTextIteratorStreamer(None)
+
+    asyncio.run(build())
+
+
+def _consume_on_a_thread(streamer):
+    """Iterates `streamer` on a worker thread; returns (thread, result dict)."""
+    result = {"parts": []}
+
+    def consume():
+        try:
+            for part in streamer:
+                result["parts"].append(part)
+            result["ended"] = True
+        except BaseException as error:  # noqa: BLE001 - the test inspects it
+            result["error"] = error
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_fail_wakes_a_consumer_waiting_without_timeout():
+    streamer = TextIteratorStreamer(CharTokenizer())  # no timeout: waits forever without fail
+    thread, result = _consume_on_a_thread(streamer)
+    streamer.put([ord("p")])  # the prompt
+    for char in "hello wor":
+        streamer.put([ord(char)])
+    error = RuntimeError("device lost")
+    threading.Timer(0.1, streamer.fail, args=(error,)).start()  # from another thread
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the consumer still waits after fail()"
+    assert result["error"] is error
+    assert "".join(result["parts"]) == "phello wor"  # the held-back word is delivered first
+
+
+def test_fail_before_any_token_wakes_the_consumer():
+    streamer = TextIteratorStreamer(CharTokenizer())
+    thread, result = _consume_on_a_thread(streamer)
+    streamer.fail(ValueError("bad config"))
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert isinstance(result["error"], ValueError) and result["parts"] == []
+
+
+def test_end_and_fail_are_idempotent():
+    streamer = TextIteratorStreamer(CharTokenizer(), timeout=5)
+    streamer.put([ord("a")])
+    streamer.end()
+    streamer.end()
+    streamer.fail(RuntimeError("late"))
+    assert "".join(streamer) == "a"
+    assert streamer.text_queue.empty()  # one stop signal, no failure queued after end()
+    assert streamer.error is None
+
+    failed = TextIteratorStreamer(CharTokenizer(), timeout=5)
+    first = RuntimeError("first")
+    failed.fail(first)
+    failed.fail(RuntimeError("second"))
+    failed.end()
+    with pytest.raises(RuntimeError, match="first"):
+        next(failed)
+    assert failed.text_queue.empty() and failed.error is first
+
+
+def test_a_put_after_end_starts_a_new_stream():
+    streamer = TextIteratorStreamer(CharTokenizer(), timeout=5)
+    for text in ("ab", "cd"):
+        for char in text:
+            streamer.put([ord(char)])
+        streamer.end()
+        assert "".join(streamer) == text
+
+
+def test_fail_takes_an_exception():
+    with pytest.raises(TypeError, match="exception"):
+        TextIteratorStreamer(CharTokenizer()).fail("oops")
+
+
+def test_text_streamer_fail_prints_what_it_holds_and_ends_the_line(capsys):
+    streamer = TextStreamer(CharTokenizer())
+    for char in "hi the":
+        streamer.put([ord(char)])
+    streamer.fail(RuntimeError("x"))
+    streamer.end()  # no-op
+    assert capsys.readouterr().out == "hi the\n"
+    assert isinstance(streamer.error, RuntimeError)
+
+
+def test_base_streamer_fail_defaults_to_end():
+    from jaxgen.streaming import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        ended = 0
+
+        def put(self, value):
+            pass
+
+        def end(self):
+            self.ended += 1
+
+    recorder = Recorder()
+    recorder.fail(RuntimeError("x"))
+    assert recorder.ended == 1
+
+
+def test_async_fail_wakes_the_consumer():
+    async def run():
+        streamer = AsyncTextIteratorStreamer(CharTokenizer())  # no timeout
+        loop = asyncio.get_running_loop()
+
+        def produce():
+            streamer.put([ord("a")])
+            streamer.put([ord(" ")])
+            streamer.fail(KeyError("gone"))
+
+        parts = []
+        with pytest.raises(KeyError, match="gone"):
+            await asyncio.wait_for(_collect(streamer, parts, loop.run_in_executor(None, produce)),
+                                   timeout=30)
+        return parts
+
+    assert "".join(asyncio.run(run())) == "a "
+
+
+async def _collect(streamer, parts, producer):
+    await producer
+    async for part in streamer:
+        parts.append(part)

@@ -65,6 +65,7 @@ class DraftModelDrafter:
 
     model: Any
     num_tokens: int  # K: static draft width
+    prefill_chunk: int | None = None  # cfg.prefill_chunk_size, for the draft's own prefill
     scheduled: ClassVar[bool] = True  # the schedule's start value and the threshold apply
     reads: ClassVar[frozenset] = frozenset()
 
@@ -79,14 +80,16 @@ class DraftModelDrafter:
                              f"from the target's ({target_model.vocab_size}): {UAD}; use an "
                              f"assistant with the target's tokenizer")
         width = cfg.max_assistant_tokens or cfg.num_assistant_tokens
-        return cls(model=model, num_tokens=int(width)), params
+        return cls(model=model, num_tokens=int(width),
+                   prefill_chunk=cfg.prefill_chunk_size), params
 
     def init(self, draft_params, state):
         """Prefills the draft cache with the prompt bucket; returns the cache."""
         dtype = getattr(getattr(state.cache, "k", None), "dtype", jnp.float32)
         cache = self.model.init_cache(state.batch, state.buffer_len, dtype)
         prompt = state.tokens[:, :state.prompt_bucket]  # [B, P]
-        cache, _ = prefill_tokens(self.model, draft_params, prompt, state.prompt_len, cache)
+        cache, _ = prefill_tokens(self.model, draft_params, prompt, state.prompt_len, cache,
+                                  self.prefill_chunk)
         return cache
 
     def rollback(self, cache, length: jax.Array):

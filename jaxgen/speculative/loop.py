@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import GenerationConfig
-from jaxgen.contracts import Drafter, DraftRequest, Proposal
+from jaxgen.contracts import Drafter, DraftRequest, DraftState, Proposal
 from jaxgen.decode import choose_and_write
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.output import GenerateOutput, StepRecord
@@ -73,7 +73,7 @@ class AssistInputs:
 class SpecCarry:
     """Per-mode state of the assisted loop (kept in `DecodeState.spec` of the final state)."""
 
-    draft_state: Any  # the drafter's own state (a draft KV cache), or None (prompt lookup)
+    draft_state: DraftState  # the drafter's own state (a draft KV cache), or None
     k_sched: jax.Array  # int32 [B] the schedule's current draft length per row
     stats: SpeculativeStats
     pending: Optional[Proposal]  # the drafts the next round verifies (k_row already capped)
