@@ -114,7 +114,6 @@ JAXGEN_FIELDS = frozenset({"presence_penalty", "frequency_penalty", "filter_impl
 # Hugging Face fields jaxgen accepts only at their default (HF_DEFAULTS) for now: name ->
 # the feature they belong to. An issue that implements one removes it from here.
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "assistant_early_exit": "self-speculative decoding with an early-exit draft",
     "use_mtp": "multi-token-prediction drafting",
     "speculation_type": "DFlash speculative decoding",
     "assistant_lookbehind": "universal assisted decoding (an assistant model with a "
@@ -413,6 +412,15 @@ class GenerationConfig:
                             "speculative decoding)")
         check_float("assistant_confidence_threshold", self.assistant_confidence_threshold,
                     low=0.0, high=1.0, allowed="a float in [0, 1] (0 disables it)")
+        check_int("assistant_early_exit", self.assistant_early_exit, low=1, allow_none=True)
+        if self.assistant_early_exit is not None and self.num_beams > 1:
+            raise ValueError(f"self-speculative early exit (`assistant_early_exit`="
+                             f"{self.assistant_early_exit}) does not support beam search "
+                             f"(num_beams={self.num_beams}); assisted decoding works with "
+                             f"greedy or sampling (allowed: num_beams=1)")
+        if self.assistant_early_exit is not None and self.prompt_lookup_num_tokens is not None:
+            raise ValueError("pass either `assistant_early_exit` or `prompt_lookup_num_tokens`, "
+                             "not both")
         if self.prompt_lookup_num_tokens is not None:
             if self.num_beams > 1:
                 raise ValueError(f"prompt lookup decoding (`prompt_lookup_num_tokens`="

@@ -70,6 +70,29 @@ class Model(Protocol):
         """
 
 
+@runtime_checkable
+class LayeredModel(Model, Protocol):
+    """A model whose layers run in ranges: what self-speculation (early exit) needs.
+
+    config.num_layers                                          L
+    embed(params, tokens[B,S]) -> x[B,S,D]                     input embeddings
+    run_layers(params, x, positions, cache, start, stop) -> (x, cache)
+        layers [start, stop) (static), writing their K/V at positions; length unchanged
+    head(params, hidden[B,S,D]) -> logits[B,S,V] float32       final norm + LM head
+    exit_head(params, hidden, layer) -> logits                 layer's exit adapter (if the
+                                                               params carry one) + head
+    """
+
+    def embed(self, params: Any, tokens: jax.Array) -> jax.Array: ...
+
+    def run_layers(self, params: Any, x: jax.Array, positions: jax.Array, cache: Cache,
+                   start: int, stop: int) -> tuple[jax.Array, Cache]: ...
+
+    def head(self, params: Any, hidden: jax.Array) -> jax.Array: ...
+
+    def exit_head(self, params: Any, hidden: jax.Array, layer: int) -> jax.Array: ...
+
+
 # ------------------------------------------------------------------------- drafter
 # A drafter's own state between rounds: any PyTree it chooses (the draft model's KV cache,
 # the last MTP hidden state, ...) or None for drafters that keep nothing (prompt lookup).
@@ -141,10 +164,16 @@ class Drafter(Protocol):
                  in the DraftRequest only when asked
 
     Methods (all traced inside the one compiled loop):
-        init(draft_params, state) -> draft_state           after the target's prefill
+        init(draft_params, state, target_params=None) -> draft_state   after the prefill
+            (target_params: the target's params for drafters that read "params")
         propose(draft_params, draft_state, request) -> (Proposal, draft_state, cache)
             cache: the target's cache, returned unchanged unless the drafter writes it
         rollback(draft_state, length) -> draft_state       after a round left rows at length
+    Optional:
+        verify(params, draft_state, state, tokens, positions) -> (logits, hidden, cache)
+            the round's verify forward over tokens [B, k+1] at positions [B, k+1], for a
+            drafter that already computed part of it (shared compute, e.g. early exit runs
+            only the layers after its exit); without it the target's full forward runs
 
     Building one is the plan's job (jaxgen.plan): each kind has a classmethod
     `from_request(cfg, target_model, assistant) -> (drafter, draft_params) | None` that
@@ -155,7 +184,7 @@ class Drafter(Protocol):
     scheduled: ClassVar[bool]
     reads: ClassVar[frozenset]
 
-    def init(self, draft_params: Any, state: Any) -> DraftState: ...
+    def init(self, draft_params: Any, state: Any, target_params: Any = None) -> DraftState: ...
 
     def propose(self, draft_params: Any, draft_state: DraftState,
                 request: DraftRequest) -> tuple[Proposal, DraftState, Cache]: ...
@@ -163,5 +192,5 @@ class Drafter(Protocol):
     def rollback(self, draft_state: DraftState, length: jax.Array) -> DraftState: ...
 
 
-__all__ = ["Cache", "DraftState", "Drafter", "DraftRequest", "Model", "ModelOutput",
-           "Proposal"]
+__all__ = ["Cache", "DraftState", "Drafter", "DraftRequest", "LayeredModel", "Model",
+           "ModelOutput", "Proposal"]

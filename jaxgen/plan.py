@@ -51,12 +51,14 @@ from jaxgen.growing import grow_before_chunks, growing_chunk_size
 from jaxgen.output import GenerateOutput
 from jaxgen.speculative import AssistInputs, SpeculativeLoop
 from jaxgen.speculative.draft_model import DraftModelDrafter
+from jaxgen.speculative.early_exit import EarlyExitDrafter
 from jaxgen.speculative.prompt_lookup import PromptLookupDrafter
 from jaxgen.state import DecodeState
 
 # The drafter kinds, in the order their requests are checked. One line per kind.
 DRAFTERS = (
     PromptLookupDrafter,  # cfg.prompt_lookup_num_tokens
+    EarlyExitDrafter,  # cfg.assistant_early_exit
     DraftModelDrafter,  # assistant_model=(model, params)
 )
 
@@ -125,7 +127,8 @@ def choose_drafter(cfg: GenerationConfig, target_model, assistant_model,
                              "prompt_lookup_num_tokens)")
         return None, None
     if len(chosen) > 1:
-        raise ValueError("pass either `assistant_model` or `prompt_lookup_num_tokens`, not both")
+        raise ValueError("pass only one way of drafting: `assistant_model`, "
+                         "`prompt_lookup_num_tokens` or `assistant_early_exit`, not several")
     if cfg.num_beams > 1:
         raise ValueError(f"assisted decoding (assistant_model / prompt lookup) does not "
                          f"support beam search (num_beams={cfg.num_beams}); use greedy or "

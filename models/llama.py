@@ -43,6 +43,8 @@ import numpy as np
 
 from jaxgen.cache import CACHE_KINDS, Cache, make_cache
 
+from .exit_adapter import apply_exit_adapter, exit_adapter_shapes
+
 from . import rope as rope_lib
 from .rope import freeze  # re-exported for loaders
 
@@ -296,6 +298,9 @@ class Llama:
                              f"{sorted(expected)}")
         optional = {"lm_head": (self.config.hidden_size, self.config.vocab_size)} \
             if self.config.tie_word_embeddings else {}
+        if "exit_adapters" in params:
+            self._check_exit_adapters(params["exit_adapters"])
+            params = {k: v for k, v in params.items() if k != "exit_adapters"}
         _check_keys(params, expected, optional, "params")
         for key, shape in {**expected, **optional}.items():
             if key == "layers" or key not in params:
@@ -322,6 +327,25 @@ class Llama:
             for key, shape in unstacked.items():
                 _check_shape(layer[key], shape, f"{where}[{key!r}]")
 
+    def _check_exit_adapters(self, adapters: Any) -> None:
+        """params["exit_adapters"]: {str(E): adapter} with 1 <= E < num_layers."""
+        if not isinstance(adapters, Mapping):
+            raise ValueError(f"params['exit_adapters'] is a {type(adapters).__name__}, expected "
+                             f"a dict {{str(exit layer): adapter}}")
+        for name, adapter in adapters.items():
+            where = f"params['exit_adapters'][{name!r}]"
+            if not (isinstance(name, str) and name.isdigit()
+                    and 1 <= int(name) < self.config.num_layers):
+                raise ValueError(f"{where}: keys are exit layers as strings, '1' .. "
+                                 f"'{self.config.num_layers - 1}'")
+            if not isinstance(adapter, Mapping) or "w_in" not in adapter:
+                raise ValueError(f"{where} must be a dict with 'norm', 'w_in', 'w_out'")
+            width = adapter["w_in"].shape[-1]
+            shapes = exit_adapter_shapes(self.config.hidden_size, width)
+            _check_keys(adapter, shapes, {}, where)
+            for key, shape in shapes.items():
+                _check_shape(adapter[key], shape, f"{where}[{key!r}]")
+
     def __call__(self, params: dict, tokens: jax.Array, positions: jax.Array, cache: Cache, *,
                  exit_layer: int | None = None,
                  logits_index: jax.Array | None = None) -> ModelOutput:
@@ -336,25 +360,8 @@ class Llama:
         num_layers = cfg.num_layers if exit_layer is None else int(exit_layer)
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"exit_layer={exit_layer} must be in [1, {cfg.num_layers}]")
-        layers = params["layers"]
-        x = jnp.take(params["embed"], tokens, axis=0)  # [B, S, D]
-        cos, sin = rope_lib.cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                    cfg.max_position_embeddings, x.dtype)  # [B, S, Dh] each
-        if isinstance(layers, (list, tuple)):  # unstacked (see unstack_layers): unrolled
-            for index, layer_params in enumerate(layers[:num_layers]):
-                x, cache = self._block(layer_params, index, x, cos, sin, positions, cache)
-        else:
-            if num_layers < cfg.num_layers:
-                layers = jax.tree_util.tree_map(lambda a: a[:num_layers], layers)
-
-            def layer_step(carry, scanned):
-                h, kv = carry
-                layer_params, index = scanned
-                h, kv = self._block(layer_params, index, h, cos, sin, positions, kv)
-                return (h, kv), None
-
-            layer_ids = jnp.arange(num_layers, dtype=jnp.int32)  # [L']
-            (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (layers, layer_ids))
+        x = self.embed(params, tokens)  # [B, S, D]
+        x, cache = self.run_layers(params, x, positions, cache, 0, num_layers)  # [B, S, D]
         hidden = x  # [B, S, D]
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None].astype(jnp.int32),
@@ -362,6 +369,49 @@ class Llama:
         logits = self.head(params, x)  # [B, S', V]
         cache = cache.with_length(positions[:, -1] + 1)
         return ModelOutput(logits=logits, hidden=hidden, cache=cache)
+
+    def embed(self, params: dict, tokens: jax.Array) -> jax.Array:
+        """Input embeddings: tokens int32 [B, S] -> [B, S, D]."""
+        return jnp.take(params["embed"], tokens, axis=0)  # [B, S, D]
+
+    def run_layers(self, params: dict, x: jax.Array, positions: jax.Array, cache: Cache,
+                   start: int, stop: int) -> tuple[jax.Array, Cache]:
+        """Decoder layers [start, stop) (static) over hidden states x [B, S, D] at
+        `positions` [B, S], writing those layers' K/V into `cache` (its length unchanged).
+        Self-speculative early exit runs [0, E) to draft and [E, L) to verify."""
+        cfg = self.config
+        if not 0 <= start <= stop <= cfg.num_layers:
+            raise ValueError(f"layers [{start}, {stop}) are not inside [0, {cfg.num_layers}]")
+        if start == stop:
+            return x, cache
+        cos, sin = rope_lib.cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                    cfg.max_position_embeddings, x.dtype)  # [B, S, Dh] each
+        layers = params["layers"]
+        if isinstance(layers, (list, tuple)):  # unstacked (see unstack_layers): unrolled
+            for index in range(start, stop):
+                x, cache = self._block(layers[index], index, x, cos, sin, positions, cache)
+            return x, cache
+        if (start, stop) != (0, cfg.num_layers):
+            layers = jax.tree_util.tree_map(lambda a: a[start:stop], layers)
+
+        def layer_step(carry, scanned):
+            h, kv = carry
+            layer_params, index = scanned
+            h, kv = self._block(layer_params, index, h, cos, sin, positions, kv)
+            return (h, kv), None
+
+        layer_ids = jnp.arange(start, stop, dtype=jnp.int32)  # [stop - start]
+        (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (layers, layer_ids))
+        return x, cache
+
+    def exit_head(self, params: dict, hidden: jax.Array, layer: int) -> jax.Array:
+        """Early-exit logits from layer `layer`'s hidden [B, S, D]: the exit adapter of that
+        layer when params carry one (params["exit_adapters"][str(layer)]), then the shared
+        final norm and head. [B, S, V] float32."""
+        adapter = (params.get("exit_adapters") or {}).get(str(int(layer)))
+        if adapter is not None and layer < self.config.num_layers:
+            hidden = apply_exit_adapter(adapter, hidden, self.config.rms_norm_eps)
+        return self.head(params, hidden)
 
     def head(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Final norm + LM head: hidden [B, S, D] -> logits [B, S, V] float32."""

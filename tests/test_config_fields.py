@@ -18,7 +18,6 @@ REFUSED = set(C.NOT_YET_SUPPORTED) | set(C.HF_FIELDS_UNSUPPORTED)
 
 # One non-neutral value per refused field.
 NON_NEUTRAL = {
-    "assistant_early_exit": 2,
     "use_mtp": True,
     "speculation_type": "dflash",
     "assistant_lookbehind": 5,

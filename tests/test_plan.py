@@ -69,7 +69,7 @@ def test_make_plan_picks_loop_driver_and_donation(fields, hooks, loop, driver, d
 @pytest.mark.parametrize("fields, hooks, needle", [
     (dict(num_beams=2), dict(stop_event=threading.Event()), "beam search"),
     (dict(num_beams=2, prompt_lookup_num_tokens=3), dict(), "num_beams"),
-    (dict(prompt_lookup_num_tokens=3), dict(assistant_model=(MODEL, PARAMS)), "not both"),
+    (dict(prompt_lookup_num_tokens=3), dict(assistant_model=(MODEL, PARAMS)), "only one way"),
     (dict(cache_implementation="dynamic", prompt_lookup_num_tokens=3), dict(), "dynamic"),
     (dict(max_time=1.0), dict(custom_generate=lambda p, s, c: s), "custom_generate"),
     (dict(), dict(num_assistant_tokens=3), "num_assistant_tokens"),
@@ -115,7 +115,7 @@ class SelfDrafter:
             return None
         return cls(model=target_model, num_tokens=3), None
 
-    def init(self, draft_params, state):
+    def init(self, draft_params, state, target_params=None):
         return jnp.zeros((state.batch,), jnp.int32)  # last head(hidden) argmax per row
 
     def rollback(self, draft_state, length):

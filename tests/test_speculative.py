@@ -370,7 +370,7 @@ def test_bad_assistant_input():
                  num_assistant_tokens=np.array([0, 1, 1, 1]))
     with pytest.raises(ValueError, match="beam"):
         generate(PARAMS, state(), BASE.replace(num_beams=2), assistant_model=(MODEL, PARAMS))
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="only one way of drafting"):
         generate(PARAMS, state(), BASE.replace(prompt_lookup_num_tokens=2),
                  assistant_model=(MODEL, PARAMS))
     before = jaxgen.trace_count()

@@ -1,6 +1,6 @@
 """Greedy speculative decoding equals plain greedy, token for token, on SmolLM2-135M-Instruct
-(fp32): prompt lookup, a random small draft with the same vocabulary, and the target as its
-own draft (which accepts everything). A ragged batch of 4 runs by default; batch 1 is slow."""
+(fp32): prompt lookup, a random small draft with the same vocabulary, the target as its
+own draft (which accepts everything), and self-speculative early exit at layers 8 and 30. A ragged batch of 4 runs by default; batch 1 is slow."""
 from __future__ import annotations
 
 import jax
@@ -46,6 +46,12 @@ def _check(smollm, prompts):
                      assistant_model=(model, params))
     assert got == ref
     assert np.array_equal(np.asarray(spec.accepted), np.asarray(spec.drafted))
+    for exit_layer in (8, 30):  # self-speculative early exit, shared cache (30 = every layer)
+        got, spec = _run(model, params, prompts,
+                         cfg.replace(assistant_early_exit=exit_layer, num_assistant_tokens=3))
+        assert got == ref
+        if exit_layer == 30:
+            assert np.array_equal(np.asarray(spec.accepted), np.asarray(spec.drafted))
 
 
 def test_greedy_speculative_equals_greedy_ragged_batch(smollm):

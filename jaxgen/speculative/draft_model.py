@@ -27,11 +27,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxgen import stopping
-from jaxgen.contracts import DraftRequest, Proposal
-from jaxgen.processors import process_logits
-from jaxgen.sampling import sample_rows
-from jaxgen.step import prefill_tokens, state_context, write_if_live
+from jaxgen.contracts import DraftRequest
+from jaxgen.speculative.drafting import DraftBuffers, draft_step
+from jaxgen.step import prefill_tokens
 
 UAD = ("universal assisted decoding (an assistant with a different tokenizer) is not "
        "supported by jaxgen yet")
@@ -83,7 +81,7 @@ class DraftModelDrafter:
         return cls(model=model, num_tokens=int(width),
                    prefill_chunk=cfg.prefill_chunk_size), params
 
-    def init(self, draft_params, state):
+    def init(self, draft_params, state, target_params=None):
         """Prefills the draft cache with the prompt bucket; returns the cache."""
         dtype = getattr(getattr(state.cache, "k", None), "dtype", jnp.float32)
         cache = self.model.init_cache(state.batch, state.buffer_len, dtype)
@@ -99,60 +97,28 @@ class DraftModelDrafter:
     def propose(self, draft_params, cache, request: DraftRequest):
         """Drafts up to k_want[b] tokens per row; returns (Proposal, draft cache, the
         target's cache unchanged)."""
-        model, state, cfg = self.model, request.state, request.cfg
-        K = self.num_tokens
-        k_want, keys, threshold = request.k_want, request.keys, request.threshold
+        model, state = self.model, request.state
         tokens, length = state.tokens, state.length  # [B, T], [B]
         batch, width = tokens.shape
-        vocab = model.vocab_size
-
-        def choose(i, logits, work, active, drafts, q_all, k_row):
-            here = state_context(state, tokens=work, length=length + i)
-            scores = process_logits(cfg, logits, here, extra=request.ext.logits_processor)
-            if request.do_sample:  # [B, V] -> [B]
-                d = sample_rows(scores, jax.vmap(lambda k: jax.random.fold_in(k, i))(keys))
-            else:
-                d = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [B]
-            d = jnp.where(active, d, state.pad_token_id)
-            drafts = drafts.at[:, i].set(d)
-            if q_all is not None:
-                q_all = q_all.at[:, i].set(scores)
-            work = write_if_live(work, length + i, d, active)  # [B, T]
-            k_row = k_row + active.astype(jnp.int32)
-            stop = stopping.hit_eos(d, cfg.eos_ids) | (i + 1 >= k_want)  # [B]
-            if threshold is not None:
-                probs = jax.nn.softmax(scores, axis=-1)  # [B, V]
-                conf = jnp.take_along_axis(probs, d[:, None], axis=1)[:, 0]  # [B]
-                stop |= conf < threshold
-            return work, active & ~stop, drafts, q_all, k_row
-
-        # step 0: two tokens, the logits of the last one
+        # step 0: the row's last two tokens (module docs), the logits of the last one
         pos0 = jnp.clip(length[:, None] - 2 + jnp.arange(2)[None, :], 0, width - 1)  # [B, 2]
         tok0 = jnp.take_along_axis(tokens, pos0, axis=1)  # [B, 2]
         out = model(draft_params, tok0, pos0, cache,
                     logits_index=jnp.ones((batch, 1), jnp.int32))
-        drafts = jnp.full((batch, K), state.pad_token_id, jnp.int32)  # [B, K]
-        q_all = jnp.zeros((batch, K, vocab), jnp.float32) if request.keep_q else None  # [B, K, V]
-        active = k_want > 0  # [B]
-        k_row = jnp.zeros((batch,), jnp.int32)
-        work, active, drafts, q_all, k_row = choose(0, out.logits[:, 0], tokens, active, drafts,
-                                                    q_all, k_row)
+        buffers = DraftBuffers.empty(request, self.num_tokens, model.vocab_size)
+        buffers = draft_step(request, buffers, 0, out.logits[:, 0])
 
         def cond(carry):
-            i, _, active, *_ = carry
-            return (i < K) & jnp.any(active)
+            i, buffers, _, _ = carry
+            return (i < self.num_tokens) & jnp.any(buffers.active)
 
         def body(carry):
-            i, work, active, drafts, q_all, k_row, cache, count = carry
-            prev = drafts[:, i - 1][:, None]  # [B, 1]
+            i, buffers, cache, count = carry
+            prev = buffers.drafts[:, i - 1][:, None]  # [B, 1]
             pos = (length + i - 1)[:, None]  # [B, 1]
             out = model(draft_params, prev, pos, cache)
-            work, active, drafts, q_all, k_row = choose(i, out.logits[:, 0], work, active,
-                                                        drafts, q_all, k_row)
-            return i + 1, work, active, drafts, q_all, k_row, out.cache, count + 1
+            return i + 1, draft_step(request, buffers, i, out.logits[:, 0]), out.cache, count + 1
 
-        carry = (jnp.int32(1), work, active, drafts, q_all, k_row, out.cache, jnp.int32(1))
-        _, work, _, drafts, q_all, k_row, cache, count = jax.lax.while_loop(cond, body, carry)
-        proposal = Proposal(drafts=drafts, q_scores=q_all, k_row=k_row, tokens=work,
-                            forwards=count)
-        return proposal, cache, state.cache
+        carry = (jnp.int32(1), buffers, out.cache, jnp.int32(1))
+        _, buffers, cache, count = jax.lax.while_loop(cond, body, carry)
+        return buffers.proposal(count), cache, state.cache

@@ -101,15 +101,20 @@ def _bucket_index(k_row: jax.Array, K: int) -> jax.Array:
 
 
 def _verify_forward(params, state: DecodeState, work: jax.Array, drafts: jax.Array, cfg,
-                    ext: Extensions):
+                    ext: Extensions, drafter: Drafter, draft_state):
     """Target forward over [last token, drafts] (drafts [B, k], k static) and the processed
-    scores at every position. Returns (p_scores [B, k+1, V], raw [B, k+1, V], hidden
+    scores at every position; a drafter that already ran part of it (`verify`, shared
+    compute) finishes it instead. Returns (p_scores [B, k+1, V], raw [B, k+1, V], hidden
     [B, k+1, D], cache)."""
     last = state.length - 1  # [B]
     last_token = jnp.take_along_axis(state.tokens, last[:, None], axis=1)  # [B, 1]
     tokens = jnp.concatenate([last_token, drafts], axis=1)  # [B, k+1]
     positions = last[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, k+1]
-    out = state.model(params, tokens, positions, state.cache)
+    finish = getattr(drafter, "verify", None)
+    if finish is not None:
+        out = finish(params, draft_state, state, tokens, positions)
+    else:
+        out = state.model(params, tokens, positions, state.cache)
     raw = out.logits.astype(jnp.float32)  # [B, k+1, V]
     scores = process_positions(cfg, raw, work, state.length, state, ext.logits_processor)
     return scores, raw, out.hidden, out.cache
@@ -182,7 +187,7 @@ def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: S
     q_scores = None if proposal.q_scores is None else proposal.q_scores[:, :k]  # [B, k, V]
 
     p_scores, raw, hidden, cache = _verify_forward(params, state, proposal.tokens, drafts, cfg,
-                                                   ext)
+                                                   ext, drafter, carry.draft_state)
     if cfg.do_sample:
         uniforms = jax.vmap(lambda key: jax.random.uniform(key, (K,)))(tag(1))[:, :k]  # [B, k]
         n, fix = verify.accept_sample(drafts, k_row, p_scores, q_scores, uniforms, tag(2),
@@ -265,7 +270,8 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
     state, logits, *hidden = prefill(params, state, cfg.prefill_chunk_size, reads_hidden)
     hidden = hidden[0] if reads_hidden else None  # [B, D] the prompt's last hidden state
     state, record = choose_and_write(cfg, state, logits, record, 0, ext)
-    draft_state = drafter.init(inputs.draft_params, state)
+    draft_state = drafter.init(inputs.draft_params, state,
+                               target_params=params if "params" in drafter.reads else None)
     start_tokens = inputs.start_tokens
     if not drafter.scheduled:  # prompt lookup: always up to K drafts
         start = jnp.full((batch,), K, jnp.int32)

@@ -99,7 +99,7 @@ class PromptLookupDrafter:
         ngram = cfg.max_matching_ngram_size or DEFAULT_MAX_NGRAM
         return cls(num_tokens=int(cfg.prompt_lookup_num_tokens), max_ngram=int(ngram)), None
 
-    def init(self, draft_params, state):
+    def init(self, draft_params, state, target_params=None):
         return None
 
     def rollback(self, draft_state, length):
