@@ -36,7 +36,7 @@ def test_the_llama_family_is_a_layered_model():
 
 
 @pytest.mark.parametrize("exit_layer", [1, 2, 3])
-@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+@pytest.mark.parametrize("layout", ["stacked", pytest.param("unstacked", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("prompts", [RAGGED[:1], RAGGED], ids=["batch1", "ragged4"])
 def test_greedy_equals_plain_greedy(exit_layer, layout, prompts):
     params = PARAMS if layout == "stacked" else unstack_layers(MODEL, PARAMS)
