@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from jaxgen import stopping
 from jaxgen.cache import Cache
-from jaxgen.config import GenerationConfig, _flatten, _unflatten
+from jaxgen.config import GenerationConfig
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.output import GenerateOutput
 from jaxgen.processors import process_logits
@@ -174,20 +174,6 @@ class _Static:
 def num_candidates(cfg: GenerationConfig) -> int:
     """HF's beams_to_keep: max(2, 1 + #EOS) * num_beams."""
     return max(2, 1 + len(cfg.eos_ids)) * cfg.num_beams
-
-
-def _per_beam_config(cfg: GenerationConfig, batch: int, beams: int) -> GenerationConfig:
-    """The config with per-row [B] dynamic leaves repeated to the [B*K] beam rows."""
-    leaves, aux = _flatten(cfg)
-    out = []
-    for value in leaves:
-        if value is not None:
-            array = jnp.asarray(value)
-            if array.ndim >= 1 and array.shape[0] == batch and beams > 1:
-                array = jnp.repeat(array, beams, axis=0)
-            value = array
-        out.append(value)
-    return _unflatten(aux, out)
 
 
 def _context(static: _Static, tokens: jax.Array, length: jax.Array, copies: int):
@@ -396,7 +382,7 @@ def beam_search(params, state: DecodeState, cfg: GenerationConfig,
         buffer_len=buffer_len, steps=max(buffer_len - state.prompt_bucket, 1),
         early_stopping=cfg.early_stopping, do_sample=bool(cfg.do_sample), eos_ids=cfg.eos_ids,
         prompt_len=state.prompt_len, max_new=state.max_new, length_penalty=lp,
-        keys=state.key, cfg=_per_beam_config(cfg, batch, beams), cache_axes=axes, ext=ext,
+        keys=state.key, cfg=cfg.repeat_rows(batch, beams), cache_axes=axes, ext=ext,
         stop_tables=getattr(state, "stop_tables", None))
     # The prompt runs once per row; its cache is then repeated to the K beams of the row.
     state, logits = prefill(params, state, cfg.prefill_chunk_size)  # logits [B, V]

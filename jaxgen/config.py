@@ -389,9 +389,6 @@ class GenerationConfig:
             raise ValueError(f"greedy decoding (do_sample=False, num_beams=1) does not support "
                              f"`num_return_sequences` > 1 (got {returns}); set num_beams >= "
                              f"{returns} or do_sample=True")
-        if returns > 1 and self.num_beams == 1:
-            raise ValueError(f"`num_return_sequences`={returns} with sampling (num_beams=1) is "
-                             f"not supported yet (allowed: 1, or use num_beams >= {returns})")
         if self.num_beams > 1 and returns > self.num_beams:
             raise ValueError(f"`num_return_sequences` ({returns}) has to be smaller or equal to "
                              f"`num_beams` ({self.num_beams})")
@@ -473,6 +470,31 @@ class GenerationConfig:
         leaves, aux = _flatten(self)
         return _unflatten(aux, [axes.get(name) if value is not None else None
                                 for name, value in zip(DYNAMIC_FIELDS, leaves)])
+
+    @property
+    def sample_copies(self) -> int:
+        """Rows per prompt that init_state builds: num_return_sequences when sampling without
+        beams (each copy samples on its own, as HF expands the input), else 1."""
+        return int(self.num_return_sequences) if self.num_beams == 1 else 1
+
+    def repeat_rows(self, batch: int, times: int) -> "GenerationConfig":
+        """The config with per-row [batch] dynamic leaves repeated to [batch * times] rows
+        (row b becomes rows b*times .. b*times+times-1); scalars stay as they are.
+
+        >>> from jaxgen import GenerationConfig
+        >>> GenerationConfig(do_sample=True, temperature=[0.5, 0.7]).repeat_rows(2, 2).temperature
+        Array([0.5, 0.5, 0.7, 0.7], dtype=float32)
+        """
+        if times == 1:
+            return self
+        leaves, aux = _flatten(self)
+        out = []
+        for value in leaves:
+            if value is not None and np.ndim(value) >= 1 and np.shape(value)[0] == batch:
+                import jax.numpy as jnp
+                value = jnp.repeat(jnp.asarray(value), times, axis=0)
+            out.append(value)
+        return _unflatten(aux, out)
 
     def validate_for_batch(self, batch: int) -> None:
         """Checks the per-row dynamic values against the batch: each is one value (a scalar)

@@ -44,7 +44,12 @@ def check_inputs(params, state: DecodeState, cfg: GenerationConfig) -> None:
                 and leaf.is_deleted():
             raise ValueError(CONSUMED)
     cfg.validate_for_model(state.model.vocab_size)
-    cfg.validate_for_batch(state.batch)
+    copies = cfg.sample_copies
+    if state.batch % copies:
+        raise ValueError(f"the state has {state.batch} rows but num_return_sequences="
+                         f"{copies} with sampling needs a multiple: build the state with "
+                         f"init_state and this config")
+    cfg.validate_for_batch(state.batch // copies)
     check_params = getattr(state.model, "check_params", None)
     if callable(check_params):
         check_params(params)

@@ -80,7 +80,9 @@ class GenerateOutput:
 
     Beam modes (num_beams > 1) return R = num_return_sequences rows per prompt, batch-major
     (rows b*R .. b*R+R-1 belong to prompt b, best first); `scores` / `logits` then hold the
-    K running beams of every step, [B*K, N, V], as HF's do; `state` is None.
+    K running beams of every step, [B*K, N, V], as HF's do; `state` is None. Sampling with
+    num_return_sequences = R: init_state already expanded every prompt to R adjacent rows
+    (each with its own key), so B here counts B*R rows, batch-major as well.
     """
 
     sequences: jax.Array

@@ -240,6 +240,8 @@ def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
 def execute(plan: Plan, params, state: DecodeState, cfg: GenerationConfig) -> GenerateOutput:
     """Runs a plan. Consumes `state` when plan.donate."""
     jit_cfg = canonical_config(cfg.replace(max_time=None) if cfg.max_time is not None else cfg)
+    copies = cfg.sample_copies  # per-prompt values -> the init_state's expanded rows
+    jit_cfg = jit_cfg.repeat_rows(state.batch // copies, copies)
     if plan.driver == "single":
         run = compiled.run_donated if plan.donate else compiled.run_kept
         return run(params, state, jit_cfg, plan.inputs, loop=plan.loop)

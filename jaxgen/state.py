@@ -186,6 +186,56 @@ def init_cache_for(model, cfg: GenerationConfig, batch: int, buffer_len: int, bu
     return model.init_cache(batch, max_len, dtype, kind=kind, cache_config=opts)
 
 
+def _copy_keys(key, prompts: int, copies: int):
+    """Per-row keys [B] given for the prompts -> [B * copies]: copy r of prompt b draws with
+    fold_in(key[b], r). A single key is split per expanded row by row_keys as usual."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if (typed and key.ndim == 0) or (not typed and key.ndim == 1):
+        return key
+    if not typed:
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    if key.shape != (prompts,):
+        raise ValueError(f"key must be one PRNG key or one per prompt ({prompts}), got shape "
+                         f"{key.shape}")
+    return jax.vmap(lambda k: jax.vmap(lambda r: jax.random.fold_in(k, r))(
+        jnp.arange(copies)))(key).reshape(-1)  # [B * copies]
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the default device can hold: the accelerator's limit, or the host's RAM."""
+    device = jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # backends without memory statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        import os
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_memory(model, cfg: GenerationConfig, batch: int, buffer_len: int, bucket: int,
+                      dtype) -> None:
+    """Raises ValueError before anything is allocated when the token buffer and the KV cache
+    of this call alone would exceed the device's memory (shapes only: no allocation)."""
+    limit = available_memory_bytes()
+    if limit is None:
+        return
+    cache = jax.eval_shape(lambda: init_cache_for(model, cfg, batch, buffer_len, bucket, dtype))
+    needed = sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+                 for leaf in jax.tree_util.tree_leaves(cache)) + batch * buffer_len * 4
+    if needed > limit:
+        raise ValueError(f"the KV cache and token buffer for {batch} row(s) x {buffer_len} "
+                         f"positions need {needed / 2**30:.1f} GiB, more than the device's "
+                         f"{limit / 2**30:.1f} GiB: lower max_new_tokens / max_length / "
+                         f"max_cache_len or the batch, or use cache_implementation="
+                         f"'dynamic' / 'quantized'")
+
+
 def check_cache_dtype(dtype) -> None:
     """The cache dtype must be floating point (the quantized cache is a cache kind)."""
     try:
@@ -227,6 +277,8 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     """Builds the initial decoding state for a batch of prompts.
 
     prompts: a list of token-id lists (ragged), or a padded [B, S] array with `lengths`.
+    Sampling with cfg.num_return_sequences = R > 1 (num_beams = 1) expands every prompt to R
+    adjacent rows, as HF does; per-prompt keys [B] then give copy r fold_in(key[b], r).
     max_new_tokens: optional per-row budgets [B] (each <= the config's budget).
     buffer_len: optional static buffer length T (default: cfg.max_cache_len, else prompt
     bucket + budget).
@@ -242,8 +294,14 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     vocab_size = model.vocab_size
     _validate_rows(rows, vocab_size)
     cfg.validate_for_model(vocab_size)
+    cfg.validate_for_batch(len(rows))
+    copies = cfg.sample_copies  # sampling with num_return_sequences: each prompt R times
+    if max_new_tokens is not None and copies > 1 and np.ndim(max_new_tokens) == 1:
+        max_new_tokens = np.repeat(np.asarray(max_new_tokens), copies)
+    if key is not None and copies > 1:
+        key = _copy_keys(key, len(rows), copies)
+    rows = [row for row in rows for _ in range(copies)]
     batch = len(rows)
-    cfg.validate_for_batch(batch)
     buffer_len = _buffer_len_option(cfg, buffer_len)
     stop_tables = None
     if cfg.stop_strings is not None:
@@ -279,6 +337,7 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     elif int((prompt_lens + budgets).max()) > buffer_len or bucket > buffer_len:
         raise ValueError(f"buffer_len / max_cache_len: prompt + max_new_tokens ({int((prompt_lens + budgets).max())}, prompt "
                          f"bucket {bucket}) does not fit the buffer of {buffer_len} tokens")
+    check_fits_memory(model, cfg, batch, buffer_len, bucket, cache_dtype)
     pad_id = resolve_pad_id(cfg, model)
     tokens = np.full((batch, buffer_len), pad_id, np.int32)  # [B, T]
     for b, row in enumerate(rows):

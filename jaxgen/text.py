@@ -113,7 +113,8 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                    custom_generate=custom_generate, assistant_model=assistant_model,
                    streamer=streamer, stop_event=stop_event, timings=timings)
     check_logits_valid(out.stop_reason, len(rows))
-    texts = []
-    for prompt, full in zip(rows, outputs_to_lists(out)):
-        texts.append(tokenizer.decode(full[len(prompt):], skip_special_tokens=skip_special_tokens))
-    return texts
+    outputs = outputs_to_lists(out)
+    per_prompt = max(len(outputs) // len(rows), 1)  # num_return_sequences rows per prompt
+    return [tokenizer.decode(full[len(rows[i // per_prompt]):],
+                             skip_special_tokens=skip_special_tokens)
+            for i, full in enumerate(outputs)]

@@ -25,6 +25,7 @@ from jaxgen.beam import BeamLoop
 from jaxgen.contracts import Drafter, DraftRequest, Model, Proposal
 from jaxgen.decode import DecodeLoop
 from jaxgen.models import Llama, LlamaConfig
+from jaxgen.output import outputs_to_lists
 from jaxgen.plan import CustomLoop, make_plan
 from jaxgen.speculative import SpeculativeLoop
 from jaxgen.step import write_if_live
@@ -279,3 +280,35 @@ def test_step_pieces_share_one_stop_priority():
     assert int(reason_of(dataclasses.replace(flags, eos=false))[0]) == stopping.STOP_STRING
     assert int(reason_of(StopFlags(eos=false, full=true, custom=true))[0]) == stopping.CUSTOM
     assert int(reason_of(StopFlags(eos=false, full=true))[0]) == stopping.MAX_LENGTH
+
+
+# ------------------------------------------------------------------------- return sequences
+def test_sampling_with_num_return_sequences_expands_each_prompt():
+    cfg = jaxgen.GenerationConfig(max_new_tokens=6, do_sample=True, temperature=[0.7, 1.5],
+                                  num_return_sequences=3)
+    key = jax.random.key(4)
+    out = jaxgen.generate(PARAMS, jaxgen.init_state(MODEL, PROMPTS, cfg, key), cfg)
+    chex.assert_shape(out.sequences, (6, None))
+    # the same as repeating every prompt three times by hand, with the same key
+    by_hand = [row for row in PROMPTS for _ in range(3)]
+    single = cfg.replace(num_return_sequences=1, temperature=[0.7] * 3 + [1.5] * 3)
+    manual = jaxgen.generate(PARAMS, jaxgen.init_state(MODEL, by_hand, single, key), single)
+    chex.assert_trees_all_equal(out.sequences, manual.sequences)
+    rows = outputs_to_lists(out)
+    assert all(row[:len(PROMPTS[i // 3])] == PROMPTS[i // 3] for i, row in enumerate(rows))
+    assert len({tuple(row) for row in rows[:3]}) > 1  # the copies sample on their own
+
+
+def test_per_prompt_keys_give_each_copy_its_own_key():
+    cfg = jaxgen.GenerationConfig(max_new_tokens=6, do_sample=True, num_return_sequences=2)
+    keys = jax.random.split(jax.random.key(8), 2)
+    out = jaxgen.generate(PARAMS, jaxgen.init_state(MODEL, PROMPTS, cfg, keys), cfg)
+    alone = jaxgen.generate(PARAMS, jaxgen.init_state(MODEL, PROMPTS[1:], cfg, keys[1:]), cfg)
+    n = len(PROMPTS[1]) + 6
+    np.testing.assert_array_equal(np.asarray(out.sequences)[2:, :n],
+                                  np.asarray(alone.sequences)[:, :n])
+
+
+def test_a_buffer_larger_than_memory_is_refused_before_allocating():
+    with pytest.raises(ValueError, match="GiB"):
+        jaxgen.init_state(MODEL, PROMPTS, jaxgen.GenerationConfig(max_new_tokens=2**30))
