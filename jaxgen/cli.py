@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-stream", action="store_true", help="print the answer at the end")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--quiet", action="store_true", help="no summary line")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled programs on disk between runs (default: "
+                             "$JAXGEN_CACHE_DIR or ~/.cache/jaxgen/xla)")
     return parser
 
 
@@ -207,7 +210,30 @@ def run_chat(model, params, tokenizer, cfg, args, clock) -> int:
     return 0
 
 
+def compile_cache_dir() -> str:
+    """Where the CLI keeps compiled programs: $JAXGEN_CACHE_DIR, else ~/.cache/jaxgen/xla."""
+    return os.environ.get("JAXGEN_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxgen", "xla")
+
+
+def enable_compile_cache(args) -> None:
+    """JAX's persistent compilation cache, so a second run skips the compile (about 5 s of
+    the default model's first answer here). A JAX_COMPILATION_CACHE_DIR the user set wins;
+    a cache that cannot be used is skipped silently (it only saves time)."""
+    if args.no_compile_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import jax
+    try:
+        path = compile_cache_dir()
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def run(args) -> int:
+    enable_compile_cache(args)
     for flag in ("output", "resume", "overwrite"):
         if getattr(args, flag) and not args.input:
             raise CliError(f"--{flag} needs --input", EXIT_USAGE)
