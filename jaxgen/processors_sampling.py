@@ -147,13 +147,21 @@ def top_p_filter_sorted(scores: jax.Array, top_p, min_tokens_to_keep: int = 1) -
 # ---------------------------------------------------------------------------- min-p
 def min_p_filter(scores: jax.Array, min_p, min_tokens_to_keep: int = 1, *,
                  exact: bool = False) -> jax.Array:
-    """HF MinPLogitsWarper: drop tokens with prob < min_p * max prob (no sort needed)."""
+    """HF MinPLogitsWarper: drop tokens with prob < min_p * max prob (no sort needed).
+
+    min_tokens_to_keep > 1 keeps exactly that many tokens, ranked by their scores (not their
+    probabilities, which can underflow to equal zeros) with ties broken by the lower index, as
+    HF's argsort of the scores does; `exact` changes nothing here (both paths rank alike).
+    """
+    del exact
     probs = jax.nn.softmax(scores, axis=-1)  # [B, V]
     top = jnp.max(probs, axis=-1, keepdims=True)  # [B, 1]
     remove = probs < per_row(min_p, scores.shape[0]) * top  # [B, V]
-    if min_tokens_to_keep > 1:  # HF keeps the top-k probabilities (ties: all of them here)
-        kth = (kth_largest_sorted if exact else kth_largest)(probs, min_tokens_to_keep)
-        remove &= probs < kth
+    if min_tokens_to_keep > 1:
+        keep = min(int(min_tokens_to_keep), scores.shape[-1])
+        _, best = jax.lax.top_k(scores, keep)  # [B, k]; equal scores: lower index first
+        rows = jnp.arange(scores.shape[0])[:, None]
+        remove = remove.at[rows, best].set(False)
     return jnp.where(remove, NEG_INF, scores)  # [B, V]
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Sequence
 
 import jax
@@ -48,6 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 
 _TABLE_CACHE: dict = {}
+# "<0xHH>" byte-fallback tokens: what the tokenizers decoder parses as a byte (two hex digits,
+# or Rust's optional "+" and one digit); anything else ("<0x 1>") is text.
+_BYTE_DIGITS = re.compile(r"\+?[0-9A-Fa-f]{1,2}")
 
 
 # ------------------------------------------------------------------- token strings
@@ -131,7 +135,7 @@ def token_texts(tokenizer) -> tuple[dict[int, str | bytes], str | None]:
         if mode == "byte_level" and all(ch in alphabet for ch in token):
             text = bytes(alphabet[ch] for ch in token)
         elif (mode == "byte_fallback" and len(token) == 6 and token.startswith("<0x")
-              and token.endswith(">")):
+              and token.endswith(">") and _BYTE_DIGITS.fullmatch(token[3:5])):
             try:
                 text = bytes([int(token[3:5], 16)])
             except ValueError:
