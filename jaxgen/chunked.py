@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxgen import compiled, stopping
 from jaxgen.config import GenerationConfig
+from jaxgen.config_checks import check_int
 from jaxgen.output import GenerateOutput
 from jaxgen.state import DecodeState
 
@@ -145,8 +146,7 @@ def run_chunked(loop, params, state: DecodeState, cfg: GenerationConfig, inputs=
 
 def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, stop_event,
            prepare_chunk, timings) -> GenerateOutput:
-    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, low=1)
     start_time = time.perf_counter()
     deadline = None if max_time is None else start_time + float(max_time)
     timings = timings if timings is not None else ChunkTimings()

@@ -30,6 +30,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import config_checks
@@ -491,7 +492,6 @@ class GenerationConfig:
         out = []
         for value in leaves:
             if value is not None and np.ndim(value) >= 1 and np.shape(value)[0] == batch:
-                import jax.numpy as jnp
                 value = jnp.repeat(jnp.asarray(value), times, axis=0)
             out.append(value)
         return _unflatten(aux, out)

@@ -76,11 +76,6 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     """
     try:
         check_inputs(params, state, cfg)
-        if assistant_model is not None and isinstance(assistant_model, (tuple, list)) \
-                and len(assistant_model) == 2:
-            check_draft = getattr(assistant_model[0], "check_params", None)
-            if callable(check_draft):
-                check_draft(assistant_model[1])
         plan = make_plan(state, cfg, logits_processor=logits_processor,
                          stopping_criteria=stopping_criteria, custom_generate=custom_generate,
                          assistant_model=assistant_model,

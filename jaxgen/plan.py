@@ -39,12 +39,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgen import compiled
 from jaxgen.beam import BeamLoop
 from jaxgen.chunked import DEFAULT_CHUNK, ChunkTimings, run_chunked
 from jaxgen.config import DYNAMIC_FIELDS, GenerationConfig
+from jaxgen.config_checks import check_int
 from jaxgen.decode import DecodeLoop
 from jaxgen.extensions import Extensions, accepts_hooks, make_extensions, resolve_custom_generate
 from jaxgen.growing import grow_before_chunks, growing_chunk_size
@@ -135,12 +135,9 @@ def choose_drafter(cfg: GenerationConfig, target_model, assistant_model,
                          f"sampling (allowed: num_beams=1)")
     start = None
     if num_assistant_tokens is not None:
-        values = np.asarray(num_assistant_tokens)
-        if (not np.issubdtype(values.dtype, np.integer) or (values < 1).any()
-                or (values > 2**31 - 1).any()):
-            raise ValueError(f"`num_assistant_tokens` must be ints in 1..2147483647 (one, or "
-                             f"one per row), got {num_assistant_tokens!r}")
-        start = jnp.asarray(values, jnp.int32)
+        check_int("num_assistant_tokens", num_assistant_tokens, low=1, per_row=True,
+                  allowed="ints >= 1 (one, or one per row)")
+        start = jnp.asarray(num_assistant_tokens, jnp.int32)
     drafter, draft_params = chosen[0]
     return drafter, AssistInputs(draft_params=draft_params, start_tokens=start)
 
@@ -212,9 +209,7 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
         loop = DecodeLoop(ext)
     traced = is_traced(state, cfg, inputs)
     driver = _choose_driver(cfg, loop, traced, streamer, stop_event)
-    if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer))
-                                   or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, low=1, allow_none=True)
     # Beam search repeats the prompt cache into a new [B*num_beams] cache: no input buffer
     # could be aliased to an output, so the state is not donated (and stays usable); the
     # same for a custom_generate with num_beams > 1. Under jax.vmap / jit nothing may be

@@ -35,12 +35,12 @@ import numpy as np
 
 from jaxgen.cache import Cache
 from jaxgen.config import GenerationConfig
+from jaxgen.config_checks import check_int
 from jaxgen.stopping_strings import StopStringTables
 
 if TYPE_CHECKING:  # annotation only: the loops (a floor above) define the carry
     from jaxgen.speculative.loop import SpecCarry
 
-INT32_MAX = 2**31 - 1
 
 MIN_PROMPT_BUCKET = 16
 
@@ -124,14 +124,12 @@ def _validate_rows(rows: list[list[int]], vocab_size: int) -> None:
                                  f"(allowed: 0..{vocab_size - 1})")
 
 
-def row_keys(key, batch: int) -> jax.Array:
-    """One typed PRNG key per row: fold_in(key, row) for a single key, or the given [B] keys.
-
-    key: None (seed 0), a typed key (`jax.random.key(seed)`), a raw uint32 key
-    (`jax.random.PRNGKey(seed)`, shape [2]), or one of either per row.
-    """
+def typed_keys(key) -> jax.Array:
+    """A typed PRNG key (or [B] keys) from what a caller may pass: None (seed 0), a typed key
+    (`jax.random.key(seed)`), raw uint32 key data (`jax.random.PRNGKey(seed)`, shape [2]), or
+    one of either per row. Anything else is a ValueError saying what is expected."""
     if key is None:
-        key = jax.random.key(0)
+        return jax.random.key(0)
     if isinstance(key, (int, float, np.integer, np.floating)) or not hasattr(key, "dtype"):
         raise ValueError(f"key must be a JAX PRNG key such as jax.random.key(seed) (one, or "
                          f"one per row), got {key!r}; pass the seed as jax.random.key({key!r})"
@@ -145,6 +143,13 @@ def row_keys(key, batch: int) -> jax.Array:
                              f"key data of shape [2] / [B, 2] (jax.random.PRNGKey), got "
                              f"{key.dtype} {tuple(key.shape)}")
         key = jax.random.wrap_key_data(key)
+    return key
+
+
+def row_keys(key, batch: int) -> jax.Array:
+    """One typed PRNG key per row: fold_in(key, row) for a single key, or the given [B] keys
+    (see `typed_keys` for what `key` may be)."""
+    key = typed_keys(key)
     if key.ndim == 0:
         return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch))  # [B]
     if key.shape != (batch,):
@@ -189,12 +194,9 @@ def init_cache_for(model, cfg: GenerationConfig, batch: int, buffer_len: int, bu
 def _copy_keys(key, prompts: int, copies: int):
     """Per-row keys [B] given for the prompts -> [B * copies]: copy r of prompt b draws with
     fold_in(key[b], r). A single key is split per expanded row by row_keys as usual."""
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    if (typed and key.ndim == 0) or (not typed and key.ndim == 1):
+    key = typed_keys(key)
+    if key.ndim == 0:  # one key: row_keys splits it over the expanded rows
         return key
-    if not typed:
-        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
     if key.shape != (prompts,):
         raise ValueError(f"key must be one PRNG key or one per prompt ({prompts}), got shape "
                          f"{key.shape}")
@@ -252,9 +254,7 @@ def _buffer_len_option(cfg: GenerationConfig, buffer_len) -> int | None:
     """The requested static buffer length: init_state's buffer_len or cfg.max_cache_len."""
     wanted = cfg.max_cache_len
     if buffer_len is not None:
-        if (not isinstance(buffer_len, (int, np.integer)) or isinstance(buffer_len, bool)
-                or not 1 <= buffer_len <= INT32_MAX):
-            raise ValueError(f"buffer_len must be an int in 1..{INT32_MAX}, got {buffer_len!r}")
+        check_int("buffer_len", buffer_len, low=1)
         if wanted is not None and int(wanted) != int(buffer_len):
             raise ValueError(f"buffer_len={buffer_len} and cfg.max_cache_len={wanted} disagree; "
                              f"pass one of them")
@@ -319,13 +319,11 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                              f"{cfg.max_length}: the prompt is longer than the buffer; raise "
                              f"max_length or set max_new_tokens")
     if max_new_tokens is not None:
+        check_int("max_new_tokens", max_new_tokens, per_row=True)
         values = np.asarray(max_new_tokens)
-        if not np.issubdtype(values.dtype, np.integer) or values.ndim > 1 or (
-                values.ndim == 1 and values.shape[0] != batch):
+        if values.ndim > 1 or (values.ndim == 1 and values.shape[0] != batch):
             raise ValueError(f"per-row max_new_tokens must be one int or {batch} ints (one per "
                              f"row), got {max_new_tokens!r}")
-        if (values > INT32_MAX).any():
-            raise ValueError(f"per-row max_new_tokens must be <= {INT32_MAX} (int32)")
         per_row = np.broadcast_to(values.astype(np.int64), (batch,))
         if (per_row < 1).any() or (per_row > budgets).any():
             raise ValueError(f"per-row max_new_tokens must lie in 1..{budgets.max()}, got {per_row.tolist()}")

@@ -17,6 +17,7 @@ import pytest
 
 import jaxgen
 from jaxgen.streaming import AsyncTextIteratorStreamer, TextIteratorStreamer
+from streamer_threads import consume_on_a_thread
 from stubs import BigramStub, random_table
 
 VOCAB = 16
@@ -42,21 +43,8 @@ class DigitTokenizer:
 
 def consumers(streamers):
     """One consumer thread per streamer; returns (threads, results)."""
-    results = [dict(parts=[]) for _ in streamers]
-
-    def consume(streamer, result):
-        try:
-            for part in streamer:
-                result["parts"].append(part)
-            result["ended"] = True
-        except BaseException as error:  # noqa: BLE001 - inspected by the test
-            result["error"] = error
-
-    threads = [threading.Thread(target=consume, args=(s, r), daemon=True)
-               for s, r in zip(streamers, results)]
-    for thread in threads:
-        thread.start()
-    return threads, results
+    pairs = [consume_on_a_thread(streamer) for streamer in streamers]
+    return [thread for thread, _ in pairs], [result for _, result in pairs]
 
 
 def assert_all_failed_with(threads, results, error_type, match: str = ""):

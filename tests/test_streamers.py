@@ -12,6 +12,7 @@ import pytest
 
 from jaxgen.streaming import AsyncTextIteratorStreamer, TextIteratorStreamer, TextStreamer
 from jaxgen.models import DEFAULT_MODEL, load
+from streamer_threads import consume_on_a_thread
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.\nSecond line here.",
@@ -171,26 +172,9 @@ def test_async_streamer_needs_a_tokenizer():
     asyncio.run(build())
 
 
-def _consume_on_a_thread(streamer):
-    """Iterates `streamer` on a worker thread; returns (thread, result dict)."""
-    result = {"parts": []}
-
-    def consume():
-        try:
-            for part in streamer:
-                result["parts"].append(part)
-            result["ended"] = True
-        except BaseException as error:  # noqa: BLE001 - the test inspects it
-            result["error"] = error
-
-    thread = threading.Thread(target=consume, daemon=True)
-    thread.start()
-    return thread, result
-
-
 def test_fail_wakes_a_consumer_waiting_without_timeout():
     streamer = TextIteratorStreamer(CharTokenizer())  # no timeout: waits forever without fail
-    thread, result = _consume_on_a_thread(streamer)
+    thread, result = consume_on_a_thread(streamer)
     streamer.put([ord("p")])  # the prompt
     for char in "hello wor":
         streamer.put([ord(char)])
@@ -204,7 +188,7 @@ def test_fail_wakes_a_consumer_waiting_without_timeout():
 
 def test_fail_before_any_token_wakes_the_consumer():
     streamer = TextIteratorStreamer(CharTokenizer())
-    thread, result = _consume_on_a_thread(streamer)
+    thread, result = consume_on_a_thread(streamer)
     streamer.fail(ValueError("bad config"))
     thread.join(timeout=30)
     assert not thread.is_alive()

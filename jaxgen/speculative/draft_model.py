@@ -54,6 +54,9 @@ def split_assistant(assistant_model) -> tuple[Any, Any]:
     except TypeError:
         raise ValueError("`assistant_model`'s model must be hashable (it is static for the "
                          "jit), e.g. a frozen dataclass") from None
+    check_params = getattr(model, "check_params", None)
+    if callable(check_params):
+        check_params(params)
     return model, params
 
 

@@ -34,7 +34,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +45,12 @@ from jaxgen.speculative.drafting import DraftBuffers, draft_step
 LAYERED = ("embed", "run_layers", "exit_head", "head")
 
 
-class EarlyExitOutput(tuple):
+class EarlyExitOutput(NamedTuple):
     """(logits, hidden, cache) of the shared-compute verify forward."""
 
-    logits = property(lambda self: self[0])
-    hidden = property(lambda self: self[1])
-    cache = property(lambda self: self[2])
+    logits: jax.Array
+    hidden: jax.Array
+    cache: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,5 +128,5 @@ class EarlyExitDrafter:
         h, cache = model.run_layers(params, h, positions, state.cache, self.exit_layer,
                                     int(model.config.num_layers))
         logits = model.head(params, h)  # [B, k+1, V]
-        return EarlyExitOutput((logits, h, cache.with_length(positions[:, -1] + 1)))
+        return EarlyExitOutput(logits, h, cache.with_length(positions[:, -1] + 1))
 
