@@ -18,10 +18,7 @@ REFUSED = set(C.NOT_YET_SUPPORTED) | set(C.HF_FIELDS_UNSUPPORTED)
 
 # One non-neutral value per refused field.
 NON_NEUTRAL = {
-    "use_mtp": True,
     "speculation_type": "dflash",
-    "assistant_lookbehind": 5,
-    "target_lookbehind": 20,
     "num_beam_groups": 2,
     "diversity_penalty": 0.5,
     "penalty_alpha": 0.6,
@@ -92,8 +89,8 @@ def test_refused_field_accepts_its_neutral_values(name):
 
 
 def test_messages_say_why():
-    with pytest.raises(ValueError, match="universal assisted decoding.*not support yet"):
-        GenerationConfig(assistant_lookbehind=4)
+    with pytest.raises(ValueError, match="assistant_lookbehind.*int >= 1.*got 0"):
+        GenerationConfig(assistant_lookbehind=0)
     with pytest.raises(ValueError, match="jax.jit"):
         GenerationConfig(disable_compile=True)
     with pytest.raises(ValueError, match="encoder-decoder"):
@@ -118,7 +115,7 @@ def test_generation_config_json_written_by_transformers_loads(tmp_path):
     assert (cfg.temperature, cfg.top_p, cfg.eos_ids) == (0.6, 0.9, (2, 7))
     assert (cfg.max_cache_len, cfg.prefill_chunk_size) == (64, 16)
     (tmp_path / "generation_config.json").write_text(
-        '{"assistant_lookbehind": 3, "transformers_version": "5.0.0"}')
+        '{"assistant_lookbehind": 0, "transformers_version": "5.0.0"}')
     with pytest.raises(ValueError, match="assistant_lookbehind"):
         GenerationConfig.from_pretrained(tmp_path)
 
