@@ -12,6 +12,15 @@ Chains:
                of one decode step)
     full       the sampling chain + min-p, typical-p, presence/frequency, no-repeat-ngram
                (n=3), bad words, sequence bias, min_new_tokens, suppress tokens
+    top_h      temperature + top-H (entropy cut over the 100 best tokens)
+    wm_left    the sampling chain + the green-list watermark, lefthash (a green list of
+               V/4 ids drawn per row per step with torch's permutation)
+    wm_self    the sampling chain + the green-list watermark, selfhash (a [V] table built
+               once on the host, then a top-40 per step; the build time is printed)
+    synthid    the sampling chain + SynthID-text (ngram 5, depth 9: 64-bit hashes of every
+               candidate)
+
+    python benchmarks/bench_processors.py --chains top_h wm_left --vocabs 49152 --batches 1 8
 """
 from __future__ import annotations
 
@@ -24,6 +33,8 @@ import numpy as np
 
 from jaxgen.config import GenerationConfig
 from jaxgen.processors import ProcessorContext, process_logits
+from jaxgen.watermark import WatermarkingConfig, self_green_table
+from jaxgen.watermark_synthid import SynthIDTextWatermarkingConfig
 
 from report_table import table_header, table_row
 
@@ -37,7 +48,14 @@ CHAINS = {
                  no_repeat_ngram_size=3, bad_words_ids=[[11, 12], [13], [14, 15, 16]],
                  sequence_bias=[[[17], 1.0], [[18, 19], -2.0]], min_new_tokens=4,
                  eos_token_id=2, suppress_tokens=[20, 21]),
+    "top_h": dict(do_sample=True, temperature=0.7, top_h=0.4),
 }
+SAMPLING = CHAINS["sampling"]
+CHAINS["wm_left"] = dict(SAMPLING, watermarking_config=WatermarkingConfig())
+CHAINS["wm_self"] = dict(SAMPLING, watermarking_config=WatermarkingConfig(
+    seeding_scheme="selfhash"))
+CHAINS["synthid"] = dict(SAMPLING, watermarking_config=SynthIDTextWatermarkingConfig(
+    ngram_len=5, keys=(654, 400, 836, 123, 340, 443, 597, 160, 57)))
 
 
 def time_calls(fn, args, calls: int) -> float:
@@ -87,17 +105,27 @@ def decode_step_ms(calls: int) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--chains", nargs="+", default=list(CHAINS), choices=list(CHAINS))
+    parser.add_argument("--vocabs", nargs="+", type=int, default=[49152, 128256])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     args = parser.parse_args()
     step = decode_step_ms(args.calls)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, history {HISTORY} tokens")
     if step is not None:
         print(f"SmolLM2-135M decode step, batch 1: {step:.2f} ms")
     print()
+    if "wm_self" in args.chains:
+        for vocab in args.vocabs:
+            start = time.perf_counter()
+            self_green_table(CHAINS["wm_self"]["watermarking_config"], vocab)
+            print(f"selfhash table, vocab {vocab}: built in "
+                  f"{time.perf_counter() - start:.1f} s (once per key and vocabulary)")
+        print()
     print(table_header("chain", "vocab", "batch", "search ms/step", "sort ms/step",
                        "search / decode step", "sort / decode step", numeric=True))
-    for chain in CHAINS:
-        for vocab in (49152, 128256):
-            for batch in (1, 8):
+    for chain in args.chains:
+        for vocab in args.vocabs:
+            for batch in args.batches:
                 fast = chain_ms(chain, vocab, batch, "search", args.calls)
                 exact = chain_ms(chain, vocab, batch, "sort", args.calls)
                 ratio = (lambda ms: f"{ms / step:.1%}" if step else "n/a")

@@ -11,11 +11,22 @@ from jaxgen.config import GenerationConfig
 from jaxgen.generate import default_config, generate, generate_ids, trace_count
 from jaxgen.output import GenerateOutput
 from jaxgen.state import DecodeState, init_state
+from jaxgen.stopping_criteria import (ConfidenceCriteria, EosTokenCriteria, MaxLengthCriteria,
+                                      MaxTimeCriteria, StoppingCriteriaList,
+                                      StopStringCriteria, validate_stopping_criteria)
 from jaxgen.text import generate_text
+from jaxgen.watermark import WatermarkingConfig
+from jaxgen.watermark_detect import WatermarkDetector
+from jaxgen.watermark_synthid import SynthIDTextWatermarkingConfig
+from jaxgen.watermark_synthid_detect import SynthIDTextDetector
 
 __all__ = [
     "GenerationConfig", "DecodeState", "GenerateOutput", "KVCache", "init_state", "generate",
     "generate_ids", "generate_text", "default_config", "trace_count", "models",
+    "StoppingCriteriaList", "MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria",
+    "StopStringCriteria", "ConfidenceCriteria", "validate_stopping_criteria",
+    "WatermarkingConfig", "WatermarkDetector", "SynthIDTextWatermarkingConfig",
+    "SynthIDTextDetector",
 ]
 __version__ = "0.1.0"
 

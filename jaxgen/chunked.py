@@ -49,6 +49,7 @@ class ChunkTimings:
     chunks: int = 0
     steps: int = 0
     chunk_s: list = dataclasses.field(default_factory=list)  # wall time of each decode chunk
+    host_s: float = 0.0  # host work between compiled calls (jaxgen.uad_driver: tokenizers)
 
 
 def as_streamers(streamer, batch: int) -> list | None:
@@ -90,7 +91,7 @@ def end_streamers(streamer, error: BaseException | None = None) -> None:
         raise first
 
 
-class _Emitter:
+class Emitter:
     """Feeds every row's streamer the tokens it has not seen yet."""
 
     def __init__(self, streamers: list | None, state: DecodeState):
@@ -150,7 +151,7 @@ def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, 
     start_time = time.perf_counter()
     deadline = None if max_time is None else start_time + float(max_time)
     timings = timings if timings is not None else ChunkTimings()
-    emitter = _Emitter(as_streamers(streamer, state.batch), state)
+    emitter = Emitter(as_streamers(streamer, state.batch), state)
     total_steps = state.buffer_len - state.prompt_bucket
     if prepare_chunk is not None:
         state = prepare_chunk(state, 0, 1)
@@ -193,4 +194,4 @@ def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, 
 
 
 __all__: Sequence[str] = ("run_chunked", "as_streamers", "end_streamers", "ChunkTimings",
-                          "stop_all", "DEFAULT_CHUNK")
+                          "Emitter", "stop_all", "DEFAULT_CHUNK")

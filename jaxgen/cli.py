@@ -5,6 +5,8 @@
     $ jaxgen --input prompts.jsonl --output out.jsonl       # batch work with a progress bar
     $ jaxgen --input prompts.jsonl --output out.jsonl --resume   # continue after a stop
     $ jaxgen --model ./hf-folder --do-sample --temperature 0.7 --seed 1 "Hi"
+    $ jaxgen --assistant ./small-draft "Hi"     # assisted decoding; a draft with another
+                                                # tokenizer runs universal assisted decoding
 
 With no --model the embedded default (SmolLM2-135M-Instruct) answers. Batch mode (checked
 input, crash-safe output, --resume, Ctrl-C within one chunk) lives in jaxgen.cli_batch.
@@ -54,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help="a Hugging Face checkpoint folder, a .gguf file or a known name "
                              "(default: the embedded smollm2-135m-instruct)")
+    parser.add_argument("--assistant", default=None, metavar="PATH",
+                        help="a draft model (Hugging Face folder, .gguf file or known name) for "
+                             "assisted decoding; one with another tokenizer runs universal "
+                             "assisted decoding (same output, greedy or sampled)")
     parser.add_argument("--max-new-tokens", type=_bounded_int(1, INT32_MAX), default=256)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     parser.add_argument("--temperature", type=float, default=None)
@@ -126,6 +132,26 @@ def load_model(args):
     return model, models.unstack_layers(model, params), tokenizer
 
 
+def load_assistant(args, model):
+    """(model, params, tokenizer) of --assistant, or None without it."""
+    if not args.assistant:
+        return None
+    import jax.numpy as jnp
+
+    from jaxgen import models
+
+    try:
+        draft, params, tokenizer = models.load(
+            args.assistant, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise CliError(f"cannot load assistant {args.assistant!r}: {error}", EXIT_MODEL) from None
+    if tokenizer is None and int(draft.vocab_size) != int(model.vocab_size):
+        raise CliError(f"assistant {args.assistant!r} has another vocabulary and no "
+                       f"tokenizer.json: universal assisted decoding needs its tokenizer",
+                       EXIT_MODEL)
+    return draft, models.unstack_layers(draft, params), tokenizer
+
+
 def make_config(model, args):
     from jaxgen.generate import default_config
 
@@ -141,7 +167,8 @@ def _rows(tokenizer, prompts, use_template: bool) -> list[list[int]]:
     return encode_prompts(tokenizer, prompts, chat=use_template)
 
 
-def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, clock) -> str:
+def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, clock,
+                     assistant=None) -> str:
     """Streams one answer to stdout; returns its text. Prints the summary on stderr."""
     import jax
 
@@ -164,9 +191,14 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
     timings = ChunkTimings()
     compiled_before = clock.seconds
     state = jaxgen.init_state(model, [row], cfg, jax.random.key(args.seed))
+    assisted = {}
+    if assistant is not None:
+        draft, draft_params, draft_tokenizer = assistant
+        assisted = dict(assistant_model=(draft, draft_params), tokenizer=tokenizer,
+                        assistant_tokenizer=draft_tokenizer)
     out = jaxgen.generate(params, state, cfg, streamer=Printer(tokenizer, skip_prompt=True,
                                                                skip_special_tokens=True),
-                          timings=timings)
+                          timings=timings, **assisted)
     try:
         check_logits_valid(out.stop_reason, 1)
     except InvalidLogitsError:
@@ -185,7 +217,7 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
     return text
 
 
-def run_chat(model, params, tokenizer, cfg, args, clock) -> int:
+def run_chat(model, params, tokenizer, cfg, args, clock, assistant=None) -> int:
     if tokenizer.chat_template is None:
         raise CliError("--chat needs a model with a chat template", EXIT_MODEL)
     history: list[dict] = []
@@ -205,7 +237,8 @@ def run_chat(model, params, tokenizer, cfg, args, clock) -> int:
             history.clear()
             continue
         history.append({"role": "user", "content": user})
-        reply = answer_streaming(model, params, tokenizer, cfg, list(history), args, clock)
+        reply = answer_streaming(model, params, tokenizer, cfg, list(history), args, clock,
+                                 assistant)
         history.append({"role": "assistant", "content": reply.strip()})
     return 0
 
@@ -240,6 +273,9 @@ def run(args) -> int:
     if args.chat and (args.input or args.prompt):
         raise CliError("--chat reads turns from stdin: drop the prompt / --input", EXIT_USAGE)
     if args.input:
+        if args.assistant:
+            raise CliError("--assistant is not supported with --input (batch mode) yet; "
+                           "drop one of them", EXIT_USAGE)
         if args.prompt is not None:
             raise CliError("--input reads the prompts from the file: drop the prompt",
                            EXIT_USAGE)
@@ -247,12 +283,13 @@ def run(args) -> int:
     clock = _CompileClock()
     model, params, tokenizer = load_model(args)
     cfg = make_config(model, args)
+    assistant = load_assistant(args, model)
     if args.chat:
-        return run_chat(model, params, tokenizer, cfg, args, clock)
+        return run_chat(model, params, tokenizer, cfg, args, clock, assistant)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise CliError("empty prompt", EXIT_USAGE)
-    answer_streaming(model, params, tokenizer, cfg, prompt, args, clock)
+    answer_streaming(model, params, tokenizer, cfg, prompt, args, clock, assistant)
     return 0
 
 

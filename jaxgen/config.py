@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxgen import config_checks
 from jaxgen.config_checks import check_bool, check_float, check_int
+from jaxgen.watermark import parse_watermarking_config
 
 # The implemented fields, with the defaults Hugging Face applies to fields left unset
 # (GenerationConfig._get_default_generation_params), plus a few jaxgen-specific fields
@@ -54,6 +55,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "top_k": 50,
     "top_p": 1.0,
     "min_p": None,
+    "top_h": None,
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
@@ -62,6 +64,10 @@ HF_DEFAULTS: dict[str, Any] = {
     "no_repeat_ngram_size": 0,
     "bad_words_ids": None,
     "renormalize_logits": False,
+    # Green-list (WatermarkingConfig) or SynthID-text (SynthIDTextWatermarkingConfig)
+    # watermark, jaxgen.watermark / jaxgen.watermark_synthid; a dict or HF's object is
+    # converted. Static.
+    "watermarking_config": None,
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
     "remove_invalid_values": False,
@@ -98,6 +104,11 @@ HF_DEFAULTS: dict[str, Any] = {
     # jaxgen-specific (not Hugging Face GenerationConfig fields): OpenAI-style penalties.
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+    # jaxgen-specific: the repetition penalty ignores each row's first N tokens (Hugging
+    # Face's RepetitionPenaltyLogitsProcessor(prompt_ignore_length=N), which HF's
+    # GenerationConfig does not expose). An int or one per row; None: every token counts.
+    # Dynamic (int32): a new value never recompiles.
+    "prompt_ignore_length": None,
     # jaxgen-specific: "search" (default) finds the top-k / top-p / min-p / typical-p
     # cut-offs by a bisection over float bits (no sort); "sort" uses the exact sort-based
     # paths that mirror HF step by step. Static.
@@ -110,7 +121,7 @@ HF_DEFAULTS: dict[str, Any] = {
 
 # Fields of HF_DEFAULTS that Hugging Face's GenerationConfig does not have.
 JAXGEN_FIELDS = frozenset({"presence_penalty", "frequency_penalty", "filter_impl",
-                           "max_assistant_tokens"})
+                           "max_assistant_tokens", "prompt_ignore_length"})
 
 # Hugging Face fields jaxgen accepts only at their default (HF_DEFAULTS) for now: name ->
 # the feature they belong to. An issue that implements one removes it from here.
@@ -134,9 +145,7 @@ HF_FIELDS_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "encoder_no_repeat_ngram_size": ((0,), _ENCODER_DECODER),
     "decoder_start_token_id": ((), _ENCODER_DECODER),
     "guidance_scale": ((1.0,), "classifier-free guidance is not implemented"),
-    "watermarking_config": ((), "watermarking is not implemented"),
     "token_healing": ((False,), "token healing is not implemented"),
-    "top_h": ((), "top-H (entropy) sampling is not implemented"),
     "output_attentions": ((False,), "jaxgen's models do not return attention weights"),
     "output_hidden_states": ((False,), "jaxgen's models do not return hidden states"),
     "compile_config": ((), "it configures torch.compile; jaxgen always compiles with jax.jit"),
@@ -155,11 +164,13 @@ BOOKKEEPING_FIELDS = frozenset({"transformers_version", "_from_model_config", "_
 
 # Dynamic fields: PyTree leaves (scalar or per-row [B]); new values never recompile.
 DYNAMIC_FIELDS = (
-    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty",
+    "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",
+    "eta_cutoff", "repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty",
     "assistant_ensemble_weight", "assistant_confidence_threshold",
-    "min_length", "min_new_tokens",
+    "min_length", "min_new_tokens", "prompt_ignore_length",
 )
+# The dynamic fields that hold ints (cast to int32 for the jit; the others to float32).
+DYNAMIC_INT_FIELDS = frozenset({"top_k", "min_length", "min_new_tokens", "prompt_ignore_length"})
 STATIC_FIELDS = tuple(k for k in HF_DEFAULTS if k not in DYNAMIC_FIELDS)
 
 ASSISTANT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
@@ -444,6 +455,8 @@ class GenerationConfig:
     def _validate_processor_fields(self) -> None:
         """Logits-processor and stopping fields (jaxgen.processors, jaxgen.stopping)."""
         config_checks.validate_processor_fields(self)
+        object.__setattr__(self, "watermarking_config",
+                           parse_watermarking_config(self.watermarking_config))
 
     def vmap_axes(self, **axes: int | None) -> "GenerationConfig":
         """An `in_axes` tree for `jax.vmap` over this config's dynamic fields.

@@ -182,11 +182,16 @@ def validate_processor_fields(cfg) -> None:
                     allowed="a float in [-2, 2] (0.0 disables it)")
     check_float("min_p", cfg.min_p, low=0.0, high=1.0,
                 allowed="a float in [0, 1] (None disables it)")
+    check_float("top_h", cfg.top_h, low=0.0, high=1.0, low_open=True,
+                allowed="a float in (0, 1] (None disables it)")
     check_float("typical_p", cfg.typical_p, low=0.0, high=1.0, low_open=True,
                 allowed="a float in (0, 1] (1.0 disables it)")
     for name in ("epsilon_cutoff", "eta_cutoff"):
         check_float(name, getattr(cfg, name), low=0.0, high=1.0, high_open=True,
                     allowed="a float in [0, 1) (0.0 disables it)")
+    check_int("prompt_ignore_length", cfg.prompt_ignore_length, allow_none=True, per_row=True,
+              allowed="an int >= 0 or one per row (leading tokens of each row the repetition "
+                      "penalty ignores), or None")
     check_int("min_length", cfg.min_length, per_row=True)
     check_int("min_new_tokens", cfg.min_new_tokens, allow_none=True, per_row=True)
     check_int("no_repeat_ngram_size", cfg.no_repeat_ngram_size,

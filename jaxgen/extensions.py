@@ -12,7 +12,10 @@ recompiles).
                        `ctx` is a `jaxgen.processors.ProcessorContext`.
     stopping_criteria  sequence of traceable callables `(ctx, scores) -> bool [B]`, True =
                        stop the row; evaluated after each write (ctx includes the new token).
-                       Rows they stop get stop reason `custom`.
+                       Rows they stop get stop reason `custom`. The criteria objects of
+                       `jaxgen.stopping_criteria` fit this contract; a StoppingCriteriaList
+                       is taken apart into its entries; MaxTimeCriteria is refused (it reads
+                       the host clock: use GenerationConfig(max_time=...)).
     custom_generate    replaces the whole decoding loop: a callable `(params, state, cfg) ->
                        GenerateOutput | DecodeState`, traced inside the same jit; or a string
                        "pkg.module:function" / "pkg.module" (which must expose `generate`),
@@ -40,6 +43,8 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+from jaxgen.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, flatten_criteria
+
 
 @dataclasses.dataclass(frozen=True)
 class Extensions:
@@ -58,14 +63,19 @@ NO_EXTENSIONS = Extensions()
 def _as_tuple(name: str, value) -> tuple:
     if value is None:
         return ()
-    if callable(value):
+    if callable(value) and not isinstance(value, StoppingCriteriaList):
         value = (value,)
     try:
         items = tuple(value)
     except TypeError:
         raise ValueError(f"`{name}` must be a callable or a sequence of callables, got "
                          f"{value!r}") from None
+    items = tuple(c for item in items for c in flatten_criteria(item))
     for item in items:
+        if isinstance(item, MaxTimeCriteria):
+            raise ValueError(f"`{name}`: MaxTimeCriteria reads the host clock and cannot run "
+                             f"inside the compiled loop; pass GenerationConfig(max_time="
+                             f"{item.max_time}) instead (the chunked driver enforces it)")
         if not callable(item):
             raise ValueError(f"`{name}` must hold callables, got {item!r}")
         try:

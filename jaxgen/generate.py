@@ -58,7 +58,7 @@ def check_inputs(params, state: DecodeState, cfg: GenerationConfig) -> None:
 def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
              stopping_criteria=(), custom_generate=None, assistant_model=None,
              num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
-             timings=None) -> GenerateOutput:
+             timings=None, tokenizer=None, assistant_tokenizer=None) -> GenerateOutput:
     """Decodes every row of `state` to completion under `cfg`. Consumes `state`.
 
     logits_processor / stopping_criteria / custom_generate: user hooks, static for the jit
@@ -68,6 +68,10 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     `prompt_lookup_num_tokens` runs prompt lookup decoding without one.
     num_assistant_tokens: optional per-row int32 [B] (or one int) starting draft length, e.g.
     a previous output's `speculative.num_assistant_tokens` ("heuristic" schedule); dynamic.
+    tokenizer / assistant_tokenizer: the target's and the assistant's tokenizers (jaxgen.models'
+    Tokenizer or a raw tokenizers.Tokenizer) for an assistant with another vocabulary:
+    universal assisted decoding (jaxgen.uad_driver), greedy as Hugging Face aligns it, or
+    lossless sampling across vocabularies.
     streamer: a jaxgen.streaming streamer (batch 1) or one per row; with `cfg.max_time` or a
     `stop_event` (threading.Event) it runs the chunked driver (jaxgen.chunked), `chunk_size`
     steps per jit call, with identical tokens. Streamers are ended on every exit path (an
@@ -80,7 +84,8 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
                          stopping_criteria=stopping_criteria, custom_generate=custom_generate,
                          assistant_model=assistant_model,
                          num_assistant_tokens=num_assistant_tokens, streamer=streamer,
-                         stop_event=stop_event, chunk_size=chunk_size, timings=timings)
+                         stop_event=stop_event, chunk_size=chunk_size, timings=timings,
+                         tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
     except BaseException as error:
         end_streamers(streamer, error)
         raise
@@ -107,17 +112,21 @@ def default_config(model, cfg: GenerationConfig | None = None, **overrides: Any)
 
 def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *, key=None,
                  tokenizer=None, logits_processor=(), stopping_criteria=(),
-                 custom_generate=None, assistant_model=None, streamer=None,
-                 stop_event=None, **overrides: Any) -> list[list[int]]:
+                 custom_generate=None, assistant_model=None, assistant_tokenizer=None,
+                 streamer=None, stop_event=None, mesh=None,
+                 **overrides: Any) -> list[list[int]]:
     """Prompt + generated ids per row, padding removed (HF's output, row by row).
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (see `generate`).
-    tokenizer: needed for stop_strings. logits_processor / stopping_criteria /
-    custom_generate: user hooks (jaxgen.extensions).
+    tokenizer: needed for stop_strings, and with `assistant_tokenizer` (the assistant's) for
+    an assistant with another tokenizer (universal assisted decoding).
+    logits_processor / stopping_criteria / custom_generate: user hooks (jaxgen.extensions).
+    mesh: a ("data", "model") jax.sharding.Mesh: rows and KV cache sharded over it
+    (init_state(..., mesh=)); pass params placed by jaxgen.models.shard.
     """
     try:
         cfg = default_config(model, cfg, **overrides)
-        state = init_state(model, prompts, cfg, key, tokenizer=tokenizer)
+        state = init_state(model, prompts, cfg, key, tokenizer=tokenizer, mesh=mesh)
     except BaseException as error:
         end_streamers(streamer, error)
         raise
@@ -125,7 +134,8 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
                                      stopping_criteria=stopping_criteria,
                                      custom_generate=custom_generate,
                                      assistant_model=assistant_model, streamer=streamer,
-                                     stop_event=stop_event))
+                                     stop_event=stop_event, tokenizer=tokenizer,
+                                     assistant_tokenizer=assistant_tokenizer))
 
 
 __all__ = ["GenerateOutput", "generate", "generate_ids", "default_config", "trace_count",

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jaxgen import compiled
 from jaxgen.beam import BeamLoop
 from jaxgen.chunked import DEFAULT_CHUNK, ChunkTimings, run_chunked
-from jaxgen.config import DYNAMIC_FIELDS, GenerationConfig
+from jaxgen.config import DYNAMIC_FIELDS, DYNAMIC_INT_FIELDS, GenerationConfig
 from jaxgen.config_checks import check_int
 from jaxgen.decode import DecodeLoop
 from jaxgen.extensions import Extensions, accepts_hooks, make_extensions, resolve_custom_generate
@@ -52,17 +52,22 @@ from jaxgen.output import GenerateOutput
 from jaxgen.speculative import AssistInputs, SpeculativeLoop
 from jaxgen.speculative.draft_model import DraftModelDrafter
 from jaxgen.speculative.early_exit import EarlyExitDrafter
+from jaxgen.speculative.mtp_assistant import MtpAssistantDrafter
 from jaxgen.speculative.prompt_lookup import PromptLookupDrafter
+from jaxgen.speculative.uad import UadDrafter
 from jaxgen.state import DecodeState
+from jaxgen.uad_driver import run_uad
+from jaxgen.uad_text import universal_assistant
 
 # The drafter kinds, in the order their requests are checked. One line per kind.
 DRAFTERS = (
     PromptLookupDrafter,  # cfg.prompt_lookup_num_tokens
+    UadDrafter,  # assistant_model + tokenizer + assistant_tokenizer: another vocabulary
     EarlyExitDrafter,  # cfg.assistant_early_exit
     DraftModelDrafter,  # assistant_model=(model, params)
+    MtpAssistantDrafter,  # assistant_model=(MTP drafter, params): reads the target
 )
 
-_INT_FIELDS = {"top_k", "min_length", "min_new_tokens"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +110,7 @@ class Plan:
     max_time: float | None = None
     stop_event: Any = None
     timings: ChunkTimings | None = None
+    bridge: Any = None  # "uad": the two tokenizers (jaxgen.uad_text.TokenBridge)
 
 
 def is_traced(*trees) -> bool:
@@ -189,12 +195,14 @@ def _choose_driver(cfg: GenerationConfig, loop, traced: bool, streamer, stop_eve
 def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
               stopping_criteria=(), custom_generate=None, assistant_model=None,
               num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
-              timings=None) -> Plan:
+              timings=None, tokenizer=None, assistant_tokenizer=None) -> Plan:
     """The plan for one call (see the module docs). Raises ValueError for any combination
     that cannot run, before anything compiles."""
     ext = make_extensions(logits_processor, stopping_criteria)
     custom = resolve_custom_generate(custom_generate)
     _check_hooks(state, cfg, ext, custom)
+    assistant_model = universal_assistant(assistant_model, tokenizer, assistant_tokenizer,
+                                          state.model)
     drafter, inputs = choose_drafter(cfg, state.model, assistant_model, num_assistant_tokens)
     if drafter is not None and custom is not None:
         raise ValueError("custom_generate replaces the decoding loop: it cannot be combined "
@@ -209,6 +217,12 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
         loop = DecodeLoop(ext)
     traced = is_traced(state, cfg, inputs)
     driver = _choose_driver(cfg, loop, traced, streamer, stop_event)
+    if getattr(drafter, "host_rounds", False):  # UAD: tokenizer work between rounds
+        if traced:
+            raise ValueError("universal assisted decoding (an assistant with another "
+                             "tokenizer) needs the host between rounds: it cannot run under "
+                             "jax.vmap / jit around generate")
+        driver = "uad"
     check_int("chunk_size", chunk_size, low=1, allow_none=True)
     # Beam search repeats the prompt cache into a new [B*num_beams] cache: no input buffer
     # could be aliased to an output, so the state is not donated (and stays usable); the
@@ -217,7 +231,7 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
     donate = not traced and cfg.num_beams == 1
     return Plan(loop=loop, driver=driver, donate=donate, inputs=inputs, chunk_size=chunk_size,
                 streamer=streamer, max_time=cfg.max_time, stop_event=stop_event,
-                timings=timings)
+                timings=timings, bridge=getattr(assistant_model, "bridge", None))
 
 
 def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
@@ -225,7 +239,7 @@ def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
     def cast(name, value):
         if value is None:
             return None
-        return jnp.asarray(value, jnp.int32 if name in _INT_FIELDS else jnp.float32)
+        return jnp.asarray(value, jnp.int32 if name in DYNAMIC_INT_FIELDS else jnp.float32)
 
     leaves, treedef = jax.tree_util.tree_flatten(cfg)
     names = [n for n in DYNAMIC_FIELDS if getattr(cfg, n) is not None]
@@ -242,6 +256,8 @@ def execute(plan: Plan, params, state: DecodeState, cfg: GenerationConfig) -> Ge
         return run(params, state, jit_cfg, plan.inputs, loop=plan.loop)
     options = dict(streamer=plan.streamer, max_time=plan.max_time, stop_event=plan.stop_event,
                    timings=plan.timings)
+    if plan.driver == "uad":
+        return run_uad(plan.loop, params, state, jit_cfg, plan.inputs, plan.bridge, **options)
     if plan.driver == "growing":
         return run_chunked(plan.loop, params, state, jit_cfg, plan.inputs,
                            chunk_size=growing_chunk_size(cfg, plan.chunk_size),

@@ -15,8 +15,10 @@ The chain (`process_logits`), HF's order, each step present only when configured
      7 forced_bos_token_id         8 forced_eos_token_id   9 remove_invalid_values
     10 exponential_decay_length_penalty                   11 suppress_tokens
     12 begin_suppress_tokens      13 user processors (HF merges custom lists here)
-    sampling only: 14 temperature 15 top_k 16 top_p 17 min_p 18 typical_p 19 epsilon 20 eta
-    21 renormalize_logits (always last)
+    sampling only: 14 temperature 15 top_h 16 top_k 17 top_p 18 min_p 19 typical_p
+    20 epsilon 21 eta
+    22 watermarking_config (green list or SynthID, jaxgen.watermark)
+    23 renormalize_logits (always last)
 
 Example:
     >>> cfg = GenerationConfig(do_sample=True, top_k=2)
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import GenerationConfig
+from jaxgen.watermark import watermark_scores
 from jaxgen.processors_history import (  # noqa: F401  (re-exported)
     bad_words_as_bias, no_repeat_ngram, normalize_sequence_bias, presence_frequency_penalty,
     repetition_penalty, sequence_bias, token_counts, token_presence, valid_positions)
@@ -42,8 +45,8 @@ from jaxgen.processors_position import (  # noqa: F401
     min_length_mask, remove_invalid_values, renormalize, row_max_length, suppress_tokens)
 from jaxgen.processors_sampling import (  # noqa: F401
     NEG_INF, epsilon_filter, eta_filter, kth_largest, min_p_filter, per_row, search_threshold,
-    temperature_scale, top_k_filter, top_k_filter_sorted, top_p_filter, top_p_filter_sorted,
-    typical_filter, typical_filter_sorted)
+    temperature_scale, top_h_filter, top_h_filter_sorted, top_k_filter, top_k_filter_sorted,
+    top_p_filter, top_p_filter_sorted, typical_filter, typical_filter_sorted)
 
 LogitsProcessorFn = Callable[[jax.Array, "ProcessorContext"], jax.Array]
 
@@ -84,7 +87,7 @@ def process_logits(cfg: GenerationConfig, logits: jax.Array, ctx: ProcessorConte
     """Applies the processors `cfg` enables, in Hugging Face's order.
 
     logits: float32 [B, V] raw next-token logits. Returns processed scores [B, V].
-    exact: sort paths for top-k / top-p / min-p / typical-p (default: cfg.filter_impl).
+    exact: sort paths for top-k / top-p / min-p / top-H / typical-p (default: cfg.filter_impl).
     min_tokens_to_keep: override of HF's value (1, or #EOS + 1 for beam sampling).
     extra: user processors `(scores, ctx) -> scores`, applied where HF merges a custom
         `logits_processor` list: after the built-in processors, before the sampling warpers.
@@ -98,7 +101,8 @@ def process_logits(cfg: GenerationConfig, logits: jax.Array, ctx: ProcessorConte
     if cfg.sequence_bias is not None:
         scores = sequence_bias(scores, ctx, normalize_sequence_bias(cfg.sequence_bias))
     if "repetition_penalty" in active:
-        scores = repetition_penalty(scores, ctx, cfg.repetition_penalty)
+        scores = repetition_penalty(scores, ctx, cfg.repetition_penalty,
+                                    cfg.prompt_ignore_length)
     if "presence_penalty" in active or "frequency_penalty" in active:
         scores = presence_frequency_penalty(scores, ctx, cfg.presence_penalty,
                                             cfg.frequency_penalty)
@@ -132,6 +136,8 @@ def process_logits(cfg: GenerationConfig, logits: jax.Array, ctx: ProcessorConte
     if cfg.do_sample:
         if "temperature" in active:
             scores = temperature_scale(scores, cfg.temperature)
+        if "top_h" in active:
+            scores = (top_h_filter_sorted if exact else top_h_filter)(scores, cfg.top_h)
         if "top_k" in active:
             scores = (top_k_filter_sorted if exact else top_k_filter)(scores, cfg.top_k, keep)
         if "top_p" in active:
@@ -145,6 +151,8 @@ def process_logits(cfg: GenerationConfig, logits: jax.Array, ctx: ProcessorConte
             scores = epsilon_filter(scores, cfg.epsilon_cutoff, keep)
         if "eta_cutoff" in active:
             scores = eta_filter(scores, cfg.eta_cutoff, keep)
+    if cfg.watermarking_config is not None:  # HF: after every other processor
+        scores = watermark_scores(scores, ctx, cfg.watermarking_config)
     if cfg.renormalize_logits:
         scores = renormalize(scores)
     return scores

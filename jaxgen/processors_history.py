@@ -54,14 +54,26 @@ def token_presence(tokens: jax.Array, valid: jax.Array, vocab: int) -> jax.Array
 
 
 # ----------------------------------------------------------------------- penalties
-def repetition_penalty(scores: jax.Array, ctx, penalty) -> jax.Array:
+def repetition_penalty(scores: jax.Array, ctx, penalty, prompt_ignore_length=None
+                       ) -> jax.Array:
     """HF RepetitionPenaltyLogitsProcessor over the row's whole sequence (prompt + generated).
 
     A seen token's score s becomes s * penalty if s < 0 else s / penalty.
+    prompt_ignore_length: int or per-row [B]: each row's first N tokens are not counted
+    (HF's argument of the same name; None counts them all).
+
+    >>> from jaxgen.processors import ProcessorContext
+    >>> ctx = ProcessorContext(tokens=jnp.array([[0, 1, 2]]), length=jnp.array([3]),
+    ...                        prompt_len=jnp.array([2]))
+    >>> repetition_penalty(jnp.array([[2.0, 2.0, 2.0, 2.0]]), ctx, 2.0, 2).tolist()
+    [[2.0, 2.0, 1.0, 2.0]]
     """
     batch, vocab = scores.shape
     p = per_row(penalty, batch)  # [B, 1]
-    seen = token_presence(ctx.tokens, valid_positions(ctx.tokens, ctx.length), vocab)  # [B, V]
+    start = (None if prompt_ignore_length is None
+             else per_row(prompt_ignore_length, batch, jnp.int32)[:, 0])  # [B]
+    valid = valid_positions(ctx.tokens, ctx.length, start=start)  # [B, T]
+    seen = token_presence(ctx.tokens, valid, vocab)  # [B, V]
     penalised = jnp.where(scores < 0, scores * p, scores / p)  # [B, V]
     return jnp.where(seen, penalised, scores)  # [B, V]
 

@@ -1,15 +1,16 @@
-"""Sampling warpers: temperature, top-k, top-p, min-p, typical-p, epsilon and eta cut-offs.
+"""Sampling warpers: temperature, top-k, top-p, min-p, top-H, typical-p, epsilon and eta.
 
 Every function is a pure transform of scores [B, V] whose numeric parameter is a scalar or a
 per-row [B] array (a traced value is fine: nothing here recompiles when it changes).
 
-Top-k, top-p, min-p and typical-p have two implementations with identical masks up to ties:
+Top-k, top-p, min-p, top-H and typical-p have two implementations with identical masks up to ties:
 - the default *search* path finds the cut-off by a binary search over the float32 bit
   patterns (32 passes over the vocabulary, no sort; t5x's trick);
 - the *sort* path (`*_sorted`) mirrors Hugging Face's sort-based warpers step by step.
 
 Neutral values are exact identities (temperature 1, top_k 0, top_p 1, min_p 0, typical_p 1,
-epsilon 0, eta 0), so a vmapped sweep may include them.
+epsilon 0, eta 0), so a vmapped sweep may include them. Top-H has none (HF's warper always
+keeps at most its 100 most likely tokens): it runs whenever `top_h` is set.
 
 Example:
     >>> logits = jnp.array([[1.0, 3.0, 2.0, 0.0]])
@@ -163,6 +164,66 @@ def min_p_filter(scores: jax.Array, min_p, min_tokens_to_keep: int = 1, *,
         rows = jnp.arange(scores.shape[0])[:, None]
         remove = remove.at[rows, best].set(False)
     return jnp.where(remove, NEG_INF, scores)  # [B, V]
+
+
+# ---------------------------------------------------------------------------- top-H
+TOP_H_CANDIDATES = 100  # HF TopHLogitsWarper.top_n: only the 100 most likely tokens compete
+
+
+def _entropy_terms(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """HF's top-H quantities over candidate scores [B, N] (-inf = not a candidate).
+
+    Returns (terms [B, N], tau-less entropy [B, 1]): terms = -p log p with p the softmax of
+    the candidates, NaN where p underflows to 0 (HF computes log(0) * 0 = NaN there, which
+    removes that token and every later one); the entropy treats those terms as 0 (torch's
+    Categorical.entropy clamps the log-probabilities).
+    """
+    logp = jax.nn.log_softmax(scores, axis=-1)  # [B, N]
+    probs = jax.nn.softmax(scores, axis=-1)  # [B, N]
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1, keepdims=True)
+    return -probs * jnp.log(probs), entropy  # [B, N], [B, 1]
+
+
+def top_h_filter_sorted(scores: jax.Array, top_h) -> jax.Array:
+    """HF TopHLogitsWarper (exact path, HF's arithmetic): among the 100 most likely tokens in
+    descending order, keep the most likely one and every token whose running sum of
+    -p log p (p renormalised over those 100) stays <= top_h * their entropy.
+
+    >>> top_h_filter_sorted(jnp.array([[3.0, 0.0, 2.0, -1.0]]), 0.5)
+    Array([[  3., -inf, -inf, -inf]], dtype=float32)
+    """
+    batch, vocab = scores.shape
+    top, index = jax.lax.top_k(scores, min(TOP_H_CANDIDATES, vocab))  # [B, N] descending
+    terms, entropy = _entropy_terms(top)  # [B, N], [B, 1]
+    tau = entropy * per_row(top_h, batch)  # [B, 1]
+    keep_sorted = (jnp.cumsum(terms, axis=-1) <= tau).at[:, 0].set(True)  # [B, N]
+    rows = jnp.arange(batch)[:, None]  # [B, 1]
+    keep = jnp.zeros((batch, vocab), bool).at[rows, index].set(keep_sorted)  # [B, V]
+    return jnp.where(keep, scores, NEG_INF)  # [B, V]
+
+
+def top_h_filter(scores: jax.Array, top_h) -> jax.Array:
+    """HF TopHLogitsWarper (search path, no sort): the 100th largest score by bisection, then
+    the score cut-off t such that the tokens >= t have a summed -p log p <= tau. Same mask as
+    `top_h_filter_sorted` up to ties at a cut (a tie is kept or dropped as a whole here).
+
+    >>> top_h_filter(jnp.array([[3.0, 0.0, 2.0, -1.0]]), 0.9)
+    Array([[  3., -inf,   2., -inf]], dtype=float32)
+    """
+    batch, vocab = scores.shape
+    kth = kth_largest(scores, min(TOP_H_CANDIDATES, vocab))  # [B, 1]
+    candidates = jnp.where(scores >= kth, scores, NEG_INF)  # [B, V]
+    terms, entropy = _entropy_terms(candidates)  # [B, V]
+    tau = entropy * per_row(top_h, batch)  # [B, 1]
+    # A zero-probability candidate has a NaN term in HF and is never kept (nor anything after).
+    terms = jnp.where(scores >= kth, jnp.where(jnp.isnan(terms), jnp.inf, terms), 0.0)
+    mass_from = lambda t: jnp.sum(jnp.where(scores >= t, terms, 0.0), axis=-1)  # noqa: E731
+    # The smallest cut-off t with mass(>= t) <= tau; the predicate holds for large t, so
+    # bisect over -t.
+    threshold = -search_threshold(batch, lambda s: mass_from(-s) <= tau[:, 0])  # [B, 1]
+    keep = ((scores >= threshold) & (scores >= kth)) | (
+        scores >= jnp.max(scores, axis=-1, keepdims=True))  # [B, V]
+    return jnp.where(keep, scores, NEG_INF)  # [B, V]
 
 
 # ------------------------------------------------------------------------ typical-p

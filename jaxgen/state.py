@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import jax
@@ -34,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache import Cache
+from jaxgen.cache.sharding import (DATA, batch_sharding, cache_shardings, check_divides,
+                                   check_mesh, replicated)
 from jaxgen.config import GenerationConfig
 from jaxgen.config_checks import check_int
 from jaxgen.stopping_strings import StopStringTables
@@ -221,21 +224,32 @@ def available_memory_bytes() -> int | None:
 
 
 def check_fits_memory(model, cfg: GenerationConfig, batch: int, buffer_len: int, bucket: int,
-                      dtype) -> None:
+                      dtype, cache=None) -> None:
     """Raises ValueError before anything is allocated when the token buffer and the KV cache
-    of this call alone would exceed the device's memory (shapes only: no allocation)."""
+    of this call alone would exceed the device's memory (shapes only: no allocation).
+    cache: optionally the cache's shapes already computed, each leaf with the `sharding` it
+    will get (jax.ShapeDtypeStruct): then the bytes are those of one device's shard."""
     limit = available_memory_bytes()
     if limit is None:
         return
-    cache = jax.eval_shape(lambda: init_cache_for(model, cfg, batch, buffer_len, bucket, dtype))
-    needed = sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-                 for leaf in jax.tree_util.tree_leaves(cache)) + batch * buffer_len * 4
+    if cache is None:
+        cache = jax.eval_shape(lambda: init_cache_for(model, cfg, batch, buffer_len, bucket,
+                                                      dtype))
+    needed = sum(_shard_nbytes(leaf) for leaf in jax.tree_util.tree_leaves(cache)) \
+        + batch * buffer_len * 4
     if needed > limit:
         raise ValueError(f"the KV cache and token buffer for {batch} row(s) x {buffer_len} "
                          f"positions need {needed / 2**30:.1f} GiB, more than the device's "
                          f"{limit / 2**30:.1f} GiB: lower max_new_tokens / max_length / "
                          f"max_cache_len or the batch, or use cache_implementation="
                          f"'dynamic' / 'quantized'")
+
+
+def _shard_nbytes(leaf) -> int:
+    """Bytes of one device's shard of an abstract array (the whole array if unsharded)."""
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    return int(np.prod(shape)) * jnp.dtype(leaf.dtype).itemsize
 
 
 def check_cache_dtype(dtype) -> None:
@@ -271,9 +285,73 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _sharded_cache(model, cfg, batch, buffer_len, bucket, dtype, mesh):
+    """The cache allocated directly in its shards on `mesh` (never whole on one device),
+    after the memory check of one device's shard."""
+    def make():
+        return init_cache_for(model, cfg, batch, buffer_len, bucket, dtype)
+    shapes = jax.eval_shape(make)
+    shardings = cache_shardings(shapes, mesh)  # raises where the cache cannot be split
+    abstract = jax.tree_util.tree_map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        shapes, shardings)
+    check_fits_memory(model, cfg, batch, buffer_len, bucket, dtype, cache=abstract)
+    if getattr(shapes, "memory_kind", None) is not None:  # offloaded: built, then moved
+        return jax.device_put(make(), shardings)
+    options = tuple(sorted((cfg.cache_config or {}).items()))
+    try:
+        hash(options)
+    except TypeError:  # an unhashable cache_config value: allocate without reusing
+        return jax.jit(make, out_shardings=shardings)()
+    return _allocator(model, cfg.cache_implementation, options, batch, buffer_len, bucket,
+                      jnp.dtype(dtype), shardings)()
+
+
+@functools.lru_cache(maxsize=32)
+def _allocator(model, kind, options, batch, buffer_len, bucket, dtype, shardings):
+    """A jitted function that allocates one cache shape in its shards (reused by later
+    init_state calls of the same shape and mesh, so they do not compile again)."""
+    cfg = GenerationConfig(cache_implementation=kind, cache_config=dict(options) or None)
+    return jax.jit(lambda: init_cache_for(model, cfg, batch, buffer_len, bucket, dtype),
+                   out_shardings=shardings)
+
+
+def check_batch_fits(batch: int, mesh) -> None:
+    """ValueError naming both sizes unless the mesh's "data" axis divides the rows."""
+    check_divides("the batch (rows)", batch, mesh, DATA,
+                  "pass a number of prompts (times num_return_sequences) the data axis "
+                  "divides, or a mesh with a smaller data axis")
+
+
+def state_shardings(state: DecodeState, mesh) -> DecodeState:
+    """The state's PyTree with a NamedSharding in place of every array: rows on the mesh's
+    "data" axis (tokens [B, T], length, keys, ... [B]), the cache's rows on "data" and its KV
+    heads on "model" (jaxgen.cache.sharding), stop-string tables whole on every device.
+    Raises ValueError when the data axis does not divide the rows (or "model" the KV heads).
+    """
+    mesh = check_mesh(mesh)
+    check_batch_fits(state.batch, mesh)
+    rows = lambda array: batch_sharding(mesh, array.ndim)  # noqa: E731
+    whole = replicated(mesh)
+    return state.replace(
+        tokens=rows(state.tokens), length=rows(state.length),
+        prompt_len=rows(state.prompt_len), max_new=rows(state.max_new),
+        done=rows(state.done), stop_reason=rows(state.stop_reason),
+        cache=cache_shardings(state.cache, mesh), key=rows(state.key),
+        stop_tables=jax.tree_util.tree_map(lambda _: whole, state.stop_tables),
+        spec=jax.tree_util.tree_map(lambda _: whole, state.spec))
+
+
+def shard_state(state: DecodeState, mesh) -> DecodeState:
+    """The state placed on `mesh` (see `state_shardings`); `jaxgen.generate` then runs
+    sharded. Raises ValueError where a part cannot be split (the batch, a cache kind)."""
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
 def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                lengths=None, max_new_tokens=None, cache_dtype=jnp.float32,
-               buffer_len: int | None = None, tokenizer=None) -> DecodeState:
+               buffer_len: int | None = None, tokenizer=None, mesh=None,
+               process_local: bool = False) -> DecodeState:
     """Builds the initial decoding state for a batch of prompts.
 
     prompts: a list of token-id lists (ragged), or a padded [B, S] array with `lengths`.
@@ -285,6 +363,14 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     cache_dtype: a floating dtype (float32, bfloat16, float16); the int8 / 4-bit cache is
     `cache_implementation="quantized"`.
     tokenizer: needed when cfg.stop_strings is set (its vocabulary builds the stop tables).
+    mesh: a jax.sharding.Mesh with axes "data" and "model": the rows go on "data" and the
+    KV cache's heads on "model" (`state_shardings`; the cache is allocated in its shards).
+    Pair it with params placed by `jaxgen.models.shard(model, params, mesh)`.
+    process_local (multi-host, with a mesh): `prompts` are this process's rows only; every
+    process passes the same number of rows and the state is their concatenation in process
+    order (the prompt bucket and budgets agree across processes; a single key gives global
+    row i the key fold_in(key, i), as on one host). Without it every process passes the
+    same global prompts.
     """
     cfg = cfg if cfg is not None else GenerationConfig()
     if not isinstance(cfg, GenerationConfig):
@@ -295,6 +381,9 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     _validate_rows(rows, vocab_size)
     cfg.validate_for_model(vocab_size)
     cfg.validate_for_batch(len(rows))
+    if process_local and mesh is None:
+        raise ValueError("process_local=True assembles each process's rows into one global "
+                         "batch over a mesh: pass mesh= as well")
     copies = cfg.sample_copies  # sampling with num_return_sequences: each prompt R times
     if max_new_tokens is not None and copies > 1 and np.ndim(max_new_tokens) == 1:
         max_new_tokens = np.repeat(np.asarray(max_new_tokens), copies)
@@ -328,18 +417,24 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         if (per_row < 1).any() or (per_row > budgets).any():
             raise ValueError(f"per-row max_new_tokens must lie in 1..{budgets.max()}, got {per_row.tolist()}")
         budgets = per_row.astype(np.int32)
+    most = int(budgets.max())
+    if process_local:  # every process must build the same program: agree on the shapes
+        longest, most = _agree_across_processes(batch, longest, most)
     bucket = prompt_bucket(longest)
-    needed = bucket + int(budgets.max())
+    needed = bucket + most
     if buffer_len is None:
         buffer_len = needed
     elif int((prompt_lens + budgets).max()) > buffer_len or bucket > buffer_len:
         raise ValueError(f"buffer_len / max_cache_len: prompt + max_new_tokens ({int((prompt_lens + budgets).max())}, prompt "
                          f"bucket {bucket}) does not fit the buffer of {buffer_len} tokens")
-    check_fits_memory(model, cfg, batch, buffer_len, bucket, cache_dtype)
     pad_id = resolve_pad_id(cfg, model)
     tokens = np.full((batch, buffer_len), pad_id, np.int32)  # [B, T]
     for b, row in enumerate(rows):
         tokens[b, :len(row)] = row
+    if mesh is not None:
+        return _placed_state(model, cfg, mesh, process_local, key, cache_dtype, tokens,
+                             prompt_lens, budgets, bucket, pad_id, stop_tables)
+    check_fits_memory(model, cfg, batch, buffer_len, bucket, cache_dtype)
     return DecodeState(
         tokens=jnp.asarray(tokens),
         length=jnp.asarray(prompt_lens),
@@ -354,3 +449,62 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         pad_token_id=pad_id,
         stop_tables=stop_tables,
     )
+
+
+def _agree_across_processes(batch: int, longest: int, most: int) -> tuple[int, int]:
+    """(longest prompt, largest budget) over every process; all must hold `batch` rows."""
+    if jax.process_count() == 1:
+        return longest, most
+    from jax.experimental import multihost_utils
+    every = np.asarray(multihost_utils.process_allgather(
+        np.array([batch, longest, most], np.int32))).reshape(-1, 3)  # [P, 3]
+    if (every[:, 0] != batch).any():
+        raise ValueError(f"process_local=True needs the same number of rows on every process, "
+                         f"got {every[:, 0].tolist()}")
+    return int(every[:, 1].max()), int(every[:, 2].max())
+
+
+def _placed_state(model, cfg, mesh, process_local, key, cache_dtype, tokens, prompt_lens,
+                  budgets, bucket, pad_id, stop_tables) -> DecodeState:
+    """The state built from host arrays straight into its shards on `mesh`: each process
+    fills only the shards of its own devices (jax.make_array_from_callback for global rows,
+    jax.make_array_from_process_local_data for process-local ones)."""
+    mesh = check_mesh(mesh)
+    local, buffer_len = tokens.shape
+    batch = local * (jax.process_count() if process_local else 1)
+    check_batch_fits(batch, mesh)
+    first = _first_local_row(mesh, batch) if process_local else 0
+    keys = typed_keys(key)
+    if keys.ndim == 0:
+        keys = row_keys(keys, batch)[first:first + local]  # [local]: global row i -> fold_in(key, i)
+    else:
+        keys = row_keys(keys, local)  # [local]: given per row
+    impl = jax.random.key_impl(keys)
+
+    def rows(host):
+        host = np.asarray(host)
+        sharding = batch_sharding(mesh, host.ndim)
+        if process_local:
+            return jax.make_array_from_process_local_data(sharding, host,
+                                                          (batch,) + host.shape[1:])
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    whole = replicated(mesh)
+    tables = jax.tree_util.tree_map(
+        lambda leaf: jax.make_array_from_callback(np.shape(leaf), whole,
+                                                  lambda index, a=np.asarray(leaf): a[index]),
+        stop_tables)
+    return DecodeState(
+        tokens=rows(tokens), length=rows(prompt_lens), prompt_len=rows(prompt_lens),
+        max_new=rows(budgets), done=rows(np.zeros((local,), bool)),
+        stop_reason=rows(np.zeros((local,), np.int32)),
+        cache=_sharded_cache(model, cfg, batch, buffer_len, bucket, cache_dtype, mesh),
+        key=jax.random.wrap_key_data(rows(jax.random.key_data(keys)), impl=impl),
+        model=model, prompt_bucket=bucket, pad_token_id=pad_id, stop_tables=tables)
+
+
+def _first_local_row(mesh, batch: int) -> int:
+    """The first global row this process's devices hold (rows on "data")."""
+    index = batch_sharding(mesh, 1).addressable_devices_indices_map((batch,))
+    starts = sorted({(where[0].start or 0) for where in index.values()})
+    return starts[0]

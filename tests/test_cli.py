@@ -74,6 +74,7 @@ def test_jsonl_batch_in_and_out(tmp_path):
     (["--do-sample", "--temperature", "-1", "hi"], 2, "temperature"),
     (["--input", "/nonexistent/prompts.jsonl"], 4, "prompts.jsonl"),
     (["--output", "x.jsonl", "hi"], 2, "--output needs --input"),
+    (["--assistant", "x", "--input", "p.jsonl"], 2, "--assistant"),
 ])
 def test_errors_are_one_line_with_exit_codes(args, code, needle):
     result = run_cli(*args)
@@ -114,3 +115,35 @@ def test_compiled_programs_are_kept_between_runs(tmp_path):
     third = subprocess.run(args + ["--no-compile-cache"], capture_output=True, text=True,
                            timeout=600, env=env)
     assert third.returncode == 0 and not off.exists()
+
+
+def save_other_tokenizer_draft(folder) -> str:
+    """A random one-layer Llama with a byte-level BPE of its own (not SmolLM2's), as an HF
+    folder: config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from jaxgen.models import tiny_llama
+    from jaxgen.models.hf_export import save_hf_checkpoint
+
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["The capital of France is Paris. " * 20], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model, params = tiny_llama(seed=4, vocab_size=backend.get_vocab_size())
+    save_hf_checkpoint(model, params, str(folder))
+    backend.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>"}, f)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_assistant_with_another_tokenizer_gives_the_greedy_answer(tmp_path):
+    draft = save_other_tokenizer_draft(tmp_path / "draft")
+    result = run_cli("--assistant", draft, "--max-new-tokens", "12", "--quiet",
+                     "What is the capital of France?")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == greedy_answer("What is the capital of France?", 12).strip()

@@ -30,9 +30,7 @@ NON_NEUTRAL = {
     "encoder_no_repeat_ngram_size": 3,
     "decoder_start_token_id": 0,
     "guidance_scale": 3.0,
-    "watermarking_config": {"greenlist_ratio": 0.25},
     "token_healing": True,
-    "top_h": 0.4,
     "output_attentions": True,
     "output_hidden_states": True,
     "compile_config": {"fullgraph": True},
@@ -187,13 +185,14 @@ def test_floats_past_float32_are_refused():
 
 
 # ------------------------------------------------------------------ per-row values
-FLOAT_ROWS = {"temperature": [0.5, 0.7], "top_p": [0.9, 1.0], "min_p": [0.0, 0.1],
+FLOAT_ROWS = {"temperature": [0.5, 0.7], "top_p": [0.9, 1.0], "min_p": [0.0, 0.1], "top_h": [0.4, 1.0],
               "typical_p": [0.5, 1.0], "epsilon_cutoff": [0.0, 3e-4], "eta_cutoff": [1e-3, 0.0],
               "repetition_penalty": [1.2, 1.0], "presence_penalty": [0.5, 0.0],
               "frequency_penalty": [0.0, -0.5], "length_penalty": [1.0, 2.0],
               "assistant_ensemble_weight": [0.5, 0.9],
               "assistant_confidence_threshold": [0.4, 0.2]}
-INT_ROWS = {"top_k": [5, 0], "min_length": [0, 4], "min_new_tokens": [1, 2]}
+INT_ROWS = {"top_k": [5, 0], "min_length": [0, 4], "min_new_tokens": [1, 2],
+            "prompt_ignore_length": [0, 3]}
 
 
 def test_the_per_row_table_covers_every_dynamic_field():

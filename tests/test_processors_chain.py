@@ -56,6 +56,7 @@ def configs(draw):
         "top_k": maybe(st.integers(0, V + 5)),
         "top_p": maybe(st.floats(0.05, 1.0)),
         "min_p": maybe(st.floats(0.0, 0.6)),
+        "top_h": maybe(st.floats(0.05, 1.0)),
         "typical_p": maybe(st.floats(0.1, 0.99)),
         "epsilon_cutoff": maybe(st.floats(1e-4, 0.05)),
         "eta_cutoff": maybe(st.floats(1e-4, 0.05)),
@@ -123,7 +124,7 @@ def test_chain_matches_transformers(hf_model, fields, seed, exact):
 def test_chain_order_is_hf_order(hf_model):
     """The processor types HF builds for an everything-on config, in order."""
     fields = dict(do_sample=True, eos_token_id=[2], temperature=0.7, top_k=10, top_p=0.9,
-                  min_p=0.1, typical_p=0.9, epsilon_cutoff=0.01, eta_cutoff=0.01,
+                  min_p=0.1, top_h=0.5, typical_p=0.9, epsilon_cutoff=0.01, eta_cutoff=0.01,
                   repetition_penalty=1.2, no_repeat_ngram_size=2, bad_words_ids=[[3]],
                   min_length=3, min_new_tokens=1, forced_bos_token_id=1, forced_eos_token_id=2,
                   remove_invalid_values=True, exponential_decay_length_penalty=(1, 1.1),
@@ -138,6 +139,7 @@ def test_chain_order_is_hf_order(hf_model):
         "MinNewTokensLengthLogitsProcessor", "ForcedBOSTokenLogitsProcessor",
         "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor",
         "ExponentialDecayLengthPenalty", "SuppressTokensLogitsProcessor",
-        "SuppressTokensAtBeginLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper",
+        "SuppressTokensAtBeginLogitsProcessor", "TemperatureLogitsWarper", "TopHLogitsWarper",
+        "TopKLogitsWarper",
         "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper",
         "EtaLogitsWarper", "LogitNormalization"]

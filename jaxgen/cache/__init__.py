@@ -4,7 +4,7 @@ Modules, lowest first (each imports only modules above it in this list):
 
     protocol    Cache, GrowableCache: what models and loops call
     checks      is_concrete, cache_nbytes, check_rollback, rollback_by_length
-    layout      heads_major, heads_major_index: the [.., B, Hkv, T, Dh] storage layout
+    layout      heads_major, scatter_heads_major: the [.., B, Hkv, T, Dh] storage layout
     attention   KeyBlock, attend_blocks: the attention kernel every kind reads through
     ring        ring_write, ring_holds_window, ring_max_rollback: ring-buffer storage
     dense       KVCache ("static"), DynamicKVCache ("dynamic"), attend_dense
@@ -13,6 +13,8 @@ Modules, lowest first (each imports only modules above it in this list):
     offload     OffloadedKVCache ("offloaded")
     factory     CACHE_KINDS, CACHE_CONFIG_KEYS, SUPPORTED_NBITS, validate_cache_config,
                 make_cache: the only module that imports every kind
+    sharding    shard_cache, cache_shardings, check_mesh: caches on a ("data", "model")
+                mesh, by the `field_axes` each kind declares (imports no kind)
 
 Example:
     >>> import jax.numpy as jnp
@@ -32,11 +34,12 @@ from jaxgen.cache.factory import (CACHE_CONFIG_KEYS, CACHE_KINDS, SUPPORTED_NBIT
 from jaxgen.cache.int8 import QuantizedKVCache
 from jaxgen.cache.offload import OffloadedKVCache
 from jaxgen.cache.protocol import Cache, GrowableCache
+from jaxgen.cache.sharding import cache_shardings, check_mesh, shard_cache
 from jaxgen.cache.window import SlidingWindowCache, raise_if_lost
 
 __all__ = [
     "Cache", "GrowableCache", "KVCache", "DynamicKVCache", "QuantizedKVCache",
     "SlidingWindowCache", "OffloadedKVCache", "make_cache", "validate_cache_config",
     "CACHE_KINDS", "CACHE_CONFIG_KEYS", "SUPPORTED_NBITS", "check_rollback", "cache_nbytes",
-    "raise_if_lost", "attend_dense",
+    "raise_if_lost", "attend_dense", "cache_shardings", "check_mesh", "shard_cache",
 ]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.checks import cache_nbytes, rollback_by_length
-from jaxgen.cache.layout import heads_major, heads_major_index
+from jaxgen.cache.layout import HEADS_MAJOR_AXES, heads_major, scatter_heads_major
 
 
 @jax.tree_util.register_dataclass
@@ -44,6 +44,8 @@ class KVCache:
     length: jax.Array  # int32 [B]
 
     kind: ClassVar[str] = "static"
+    field_axes: ClassVar[dict] = {"k": HEADS_MAJOR_AXES, "v": HEADS_MAJOR_AXES,
+                                  "length": ("batch",)}  # jaxgen.cache.sharding
 
     @classmethod
     def init(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
@@ -71,9 +73,8 @@ class KVCache:
         layer: int32 scalar (may be traced); k_new, v_new: [B, S, Hkv, Dh];
         positions: int32 [B, S]. Positions outside [0, T) are dropped.
         """
-        index = heads_major_index(positions, self.k.shape[2], layer)
-        k = self.k.at[index].set(heads_major(k_new).astype(self.k.dtype), mode="drop")
-        v = self.v.at[index].set(heads_major(v_new).astype(self.v.dtype), mode="drop")
+        k = scatter_heads_major(self.k, heads_major(k_new), positions, layer)
+        v = scatter_heads_major(self.v, heads_major(v_new), positions, layer)
         return dataclasses.replace(self, k=k, v=v)
 
     def attend(self, layer, q: jax.Array, q_positions: jax.Array, *,

@@ -59,7 +59,7 @@ import numpy as np
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.checks import cache_nbytes, rollback_by_length
-from jaxgen.cache.layout import heads_major, heads_major_index
+from jaxgen.cache.layout import HEADS_MAJOR_AXES, heads_major, scatter_heads_major
 from jaxgen.cache.ring import ring_write
 
 QMAX = {8: 127, 4: 7}
@@ -141,6 +141,9 @@ class QuantizedKVCache:
     rotate: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     kind: ClassVar[str] = "quantized"
+    field_axes: ClassVar[dict] = {  # jaxgen.cache.sharding
+        **{name: HEADS_MAJOR_AXES for name in ("kq", "vq", "k_scale", "v_scale", "rk", "rv")},
+        "rpos": ("layer", "batch", "slot"), "length": ("batch",)}
 
     @classmethod
     def init(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
@@ -205,11 +208,9 @@ class QuantizedKVCache:
         key_groups, value_groups = self.k_scale.shape[-1], self.v_scale.shape[-1]
         kq, ks = quantize(self._rotated(k_new), self.nbits, key_groups, self.dtype)  # [B,Hkv,S,*]
         vq, vs = quantize(self._rotated(v_new), self.nbits, value_groups, self.dtype)
-        at = heads_major_index(positions, self.kq.shape[2], layer)  # 4 x [B, Hkv, S]
-        return dataclasses.replace(
-            self, kq=self.kq.at[at].set(kq, mode="drop"), vq=self.vq.at[at].set(vq, mode="drop"),
-            k_scale=self.k_scale.at[at].set(ks, mode="drop"),
-            v_scale=self.v_scale.at[at].set(vs, mode="drop"))
+        put = lambda buf, new: scatter_heads_major(buf, new, positions, layer)  # noqa: E731
+        return dataclasses.replace(self, kq=put(self.kq, kq), vq=put(self.vq, vq),
+                                   k_scale=put(self.k_scale, ks), v_scale=put(self.v_scale, vs))
 
     def _write_ring(self, layer, k_new, v_new, positions) -> "QuantizedKVCache":
         if self.rk is None:

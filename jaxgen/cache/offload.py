@@ -28,7 +28,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from jaxgen.cache.dense import KVCache, attend_dense
-from jaxgen.cache.layout import heads_major, heads_major_index
+from jaxgen.cache.layout import heads_major, scatter_heads_major
 
 
 def host_memory_kind(requested: str = "pinned_host", offload_on_cpu: bool = False) -> str | None:
@@ -87,9 +87,8 @@ class OffloadedKVCache(KVCache):
     @staticmethod
     def _write(k_layer, v_layer, k_new, v_new, positions):
         """Writes k_new, v_new [B, S, Hkv, Dh] into one layer's k, v [B, Hkv, T, Dh]."""
-        index = heads_major_index(positions, k_layer.shape[1])  # 3 x [B, Hkv, S]
-        k_layer = k_layer.at[index].set(heads_major(k_new).astype(k_layer.dtype), mode="drop")
-        v_layer = v_layer.at[index].set(heads_major(v_new).astype(v_layer.dtype), mode="drop")
+        k_layer = scatter_heads_major(k_layer, heads_major(k_new), positions)
+        v_layer = scatter_heads_major(v_layer, heads_major(v_new), positions)
         return k_layer, v_layer
 
     def update(self, layer, k_new, v_new, positions) -> "OffloadedKVCache":

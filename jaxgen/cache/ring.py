@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgen.cache.layout import heads_major, heads_major_index
+from jaxgen.cache.layout import heads_major, scatter_heads_major, scatter_rows
 
 
 def ring_write(k_buf: jax.Array, v_buf: jax.Array, pos_buf: jax.Array, layer,
@@ -38,14 +38,10 @@ def ring_write(k_buf: jax.Array, v_buf: jax.Array, pos_buf: jax.Array, layer,
     slots = k_buf.shape[3]
     if positions.shape[1] > slots:
         k_new, v_new, positions = k_new[:, -slots:], v_new[:, -slots:], positions[:, -slots:]
-    batch, seq = positions.shape
     slot = positions % slots  # [B, n]
-    index = heads_major_index(slot, k_buf.shape[2], layer)  # 4 x [B, Hkv, n]
-    k_buf = k_buf.at[index].set(heads_major(k_new).astype(k_buf.dtype))
-    v_buf = v_buf.at[index].set(heads_major(v_new).astype(v_buf.dtype))
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq))  # [B, n]
-    layers = jnp.full((batch, seq), layer, jnp.int32)  # [B, n]
-    pos_buf = pos_buf.at[layers, rows, slot].set(positions.astype(jnp.int32))
+    k_buf = scatter_heads_major(k_buf, heads_major(k_new), slot, layer)
+    v_buf = scatter_heads_major(v_buf, heads_major(v_new), slot, layer)
+    pos_buf = scatter_rows(pos_buf, positions, slot, layer)
     return k_buf, v_buf, pos_buf
 
 

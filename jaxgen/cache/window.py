@@ -54,7 +54,7 @@ import numpy as np
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.checks import cache_nbytes, rollback_by_length
-from jaxgen.cache.layout import heads_major
+from jaxgen.cache.layout import HEADS_MAJOR_AXES, heads_major
 from jaxgen.cache.ring import ring_holds_window, ring_max_rollback, ring_write
 
 
@@ -71,6 +71,9 @@ class SlidingWindowCache:
     window: int = dataclasses.field(metadata=dict(static=True))
 
     kind: ClassVar[str] = "sliding_window"
+    field_axes: ClassVar[dict] = {"k": HEADS_MAJOR_AXES, "v": HEADS_MAJOR_AXES,  # .sharding
+                                  "pos": ("layer", "batch", "slot"), "length": ("batch",),
+                                  "lost": ("batch",)}
 
     @classmethod
     def init(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int,

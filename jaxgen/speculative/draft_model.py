@@ -29,10 +29,12 @@ import jax.numpy as jnp
 
 from jaxgen.contracts import DraftRequest
 from jaxgen.speculative.drafting import DraftBuffers, draft_step
+from jaxgen.speculative.mtp_assistant import target_reading_model
 from jaxgen.step import prefill_tokens
 
-UAD = ("universal assisted decoding (an assistant with a different tokenizer) is not "
-       "supported by jaxgen yet")
+UAD = ("an assistant with a different tokenizer needs universal assisted decoding: pass the "
+       "target's `tokenizer=` and the assistant's `assistant_tokenizer=` (generate_text passes "
+       "its own tokenizer)")
 
 
 def split_assistant(assistant_model) -> tuple[Any, Any]:
@@ -72,14 +74,15 @@ class DraftModelDrafter:
 
     @classmethod
     def from_request(cls, cfg, target_model, assistant):
-        """The drafter for `assistant_model=(model, params)`, or None without one."""
-        if assistant is None:
-            return None
+        """The drafter for `assistant_model=(model, params)`, or None without one (or for an
+        assistant another kind takes: a UniversalAssistant, an MTP drafter)."""
+        if (assistant is None or hasattr(assistant, "bridge")
+                or target_reading_model(assistant) is not None):
+            return None  # none, a UniversalAssistant (speculative.uad) or an MTP drafter
         model, params = split_assistant(assistant)
         if int(model.vocab_size) != int(target_model.vocab_size):
             raise ValueError(f"the assistant's vocabulary ({model.vocab_size} tokens) differs "
-                             f"from the target's ({target_model.vocab_size}): {UAD}; use an "
-                             f"assistant with the target's tokenizer")
+                             f"from the target's ({target_model.vocab_size}): {UAD}")
         width = cfg.max_assistant_tokens or cfg.num_assistant_tokens
         return cls(model=model, num_tokens=int(width),
                    prefill_chunk=cfg.prefill_chunk_size), params

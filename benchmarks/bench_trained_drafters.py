@@ -1,0 +1,236 @@
+"""The trained drafters of SmolLM2-135M-Instruct on held-out chat prompts (fp32, this CPU).
+
+For each method, against jaxgen's plain decoding on the same prompts (the first --prompts of
+jaxgen/train/data/prompts_heldout.jsonl, never used in training):
+  * mean accepted length: tokens per verify round (accepted drafts + the target's own token),
+    greedy, batch 1;
+  * greedy speed-up, batch 1 (outputs compared with plain greedy: the last column);
+  * sampling speed-up at T=0.7, batch 1 (tokens/s against plain sampling);
+  * greedy speed-up, batch 8, in tokens/s (outputs compared likewise).
+Methods: the standalone draft (full vocabulary, and its pruned draft vocabulary), early exit
+at the adapter's layer (with the shipped adapter, and plain), prompt lookup. With --hf, the
+same target weights, the same draft folder and the plain early exit through transformers'
+generate() (batch 1, greedy; tokens/s against transformers' own plain greedy and jaxgen's).
+Every timing follows a warm-up run of the same shapes (compilation excluded).
+
+    python benchmarks/bench_trained_drafters.py [--prompts 4] [--new-tokens 96] [--hf]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxgen
+from jaxgen.generate import default_config, outputs_to_lists
+from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
+from jaxgen.models import shipped_drafters
+
+HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "jaxgen", "train",
+                       "data", "prompts_heldout.jsonl")
+
+
+def heldout_prompts(tokenizer, count: int) -> list[list[int]]:
+    with open(HELDOUT, encoding="utf-8") as f:
+        texts = [json.loads(line)["prompt"] for line in f if line.strip()][:count]
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                               add_generation_prompt=True)) for t in texts]
+
+
+def run(params, model, prompts, cfg, key=None, assistant=None):
+    """(seconds, output) of one generate call, after a warm-up call of the same shapes."""
+    def once():
+        state = jaxgen.init_state(model, prompts, cfg, key)
+        out = jaxgen.generate(params, state, cfg, assistant_model=assistant)
+        jax.block_until_ready(out.sequences)
+        return out
+    once()
+    start = time.perf_counter()
+    out = once()
+    return time.perf_counter() - start, out
+
+
+def new_tokens(out) -> int:
+    return int(np.sum(np.asarray(out.lengths) - np.asarray(out.prompt_lengths)))
+
+
+def measure(method, params, model, prompts, prompts8, base, plain, batch8_plain, sample_plain,
+            assistant=None):
+    """One table row: accepted length, greedy b1, sampling b1, greedy b8 speed-ups."""
+    seconds, rounds, accepted, same = 0.0, 0, 0, True
+    for prompt, (plain_s, plain_out) in zip(prompts, plain):
+        s, out = run(params, model, [prompt], base, assistant=assistant)
+        same = same and outputs_to_lists(out) == outputs_to_lists(plain_out)
+        seconds += s
+        rounds += int(np.sum(out.speculative.rounds))
+        accepted += int(np.sum(out.speculative.accepted))
+    greedy_up = sum(p[0] for p in plain) / seconds
+    sampled = base.replace(do_sample=True, temperature=0.7, top_k=0, top_p=1.0)
+    tokens, seconds = 0, 0.0
+    for i, prompt in enumerate(prompts):
+        s, out = run(params, model, [prompt], sampled, jax.random.key(i), assistant)
+        tokens, seconds = tokens + new_tokens(out), seconds + s
+    sample_up = (tokens / seconds) / sample_plain
+    s8, out8 = run(params, model, prompts8, base, assistant=assistant)
+    same8 = outputs_to_lists(out8) == outputs_to_lists(batch8_plain[1])
+    return {"method": method, "accepted_length": (rounds + accepted) / max(rounds, 1),
+            "identical": "yes" if same else "NO", "identical_b8": "yes" if same8 else "NO",
+            "greedy_b1": greedy_up, "sample_b1": sample_up,
+            "greedy_b8": (new_tokens(out8) / s8) / (new_tokens(batch8_plain[1]) / batch8_plain[0])}
+
+
+def forward_seconds(model, params, width: int, position: int = 128) -> float:
+    """Seconds per batch-1 forward of `width` tokens against a cache holding `position`."""
+    cache = model.init_cache(1, position + 16)
+    fn = jax.jit(lambda p, t, pos, c: model(p, t, pos, c).logits)
+    tokens = jnp.zeros((1, width), jnp.int32)
+    pos = jnp.arange(position, position + width, dtype=jnp.int32)[None]
+    fn(params, tokens, pos, cache).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(10):
+        fn(params, tokens, pos, cache).block_until_ready()
+    return (time.perf_counter() - start) / 10
+
+
+def hf_rows(model, params, prompts, new, args, exit_layer, jaxgen_plain_tps):
+    """transformers generate() on the same weights, batch 1 greedy."""
+    import torch
+    import transformers
+
+    from jaxgen.models.hf_export import hf_from_jaxgen
+
+    torch.set_num_threads(2)
+    target = hf_from_jaxgen(model, params)
+    draft = transformers.AutoModelForCausalLM.from_pretrained(
+        args.draft_folder or shipped_drafters.shipped_folder(shipped_drafters.DRAFT_NAME),
+        dtype=torch.float32).eval()
+    common = dict(max_new_tokens=new, do_sample=False, eos_token_id=2, pad_token_id=2)
+    methods = {"plain": {},
+               "draft": dict(assistant_model=draft, num_assistant_tokens=args.k_draft,
+                             num_assistant_tokens_schedule="constant",
+                             assistant_confidence_threshold=args.threshold),
+               f"early exit E={exit_layer} (plain)": dict(
+                   assistant_early_exit=exit_layer, num_assistant_tokens=args.k_exit,
+                   num_assistant_tokens_schedule="constant",
+                   assistant_confidence_threshold=args.threshold),
+               "prompt lookup": dict(prompt_lookup_num_tokens=args.k_lookup)}
+    rows, plain_tps, reference = [], None, {}
+    for name, extra in methods.items():
+        tokens, seconds = 0, 0.0
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                target.generate(ids, **common, **extra)  # warm-up
+                start = time.perf_counter()
+                out = target.generate(ids, **common, **extra)
+                seconds += time.perf_counter() - start
+            got = out[0].tolist()
+            if name == "plain":
+                reference[i] = got
+            elif got != reference[i]:
+                print(f"  note: transformers {name} differs from its plain greedy on prompt {i}")
+            tokens += len(got) - len(prompt)
+        tps = tokens / seconds
+        plain_tps = plain_tps or tps
+        rows.append({"method": f"transformers {name}", "tokens_per_s": tps,
+                     "vs_hf_plain": tps / plain_tps, "vs_jaxgen_plain": tps / jaxgen_plain_tps})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts (batch 8 "
+                        "uses the first 8, so at least 8 are read)")
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--k-draft", type=int, default=4)
+    parser.add_argument("--k-exit", type=int, default=3)
+    parser.add_argument("--k-lookup", type=int, default=4)
+    parser.add_argument("--threshold", type=float, default=0.0,
+                        help="assistant_confidence_threshold (both libraries)")
+    parser.add_argument("--hf", action="store_true", help="also time transformers")
+    parser.add_argument("--methods", nargs="*", default=None)
+    parser.add_argument("--cost", action="store_true",
+                        help="print the cost model: forward seconds of target and drafts")
+    parser.add_argument("--draft-folder", default=None, help="a draft other than the shipped")
+    parser.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/jaxgen-bench"),
+                        help="JAX persistent compilation cache ('' to disable)")
+    args = parser.parse_args()
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    model, params, tokenizer = load(DEFAULT_MODEL, dtype=jnp.float32)
+    fast = unstack_layers(model, params)
+    adapters = shipped_drafters.attach_exit_adapters({})
+    exit_layers = shipped_drafters.exit_adapter_layers()
+    exit_layer = exit_layers[0] if exit_layers else 10
+    with_adapter = {**fast, **adapters}
+    draft, draft_params, _ = shipped_drafters.load_shipped_draft(folder=args.draft_folder)
+    draft_params = unstack_layers(draft, draft_params)
+    pruned, pruned_params, _ = shipped_drafters.load_shipped_draft(pruned=True,
+                                                                   folder=args.draft_folder)
+    pruned_params = {**unstack_layers(pruned.model, pruned_params),
+                     "draft_head": pruned_params["draft_head"]}
+    if args.cost:
+        step = forward_seconds(model, fast, 1)
+        print(f"cost (batch 1, one forward, in target-step units; target step {step * 1e3:.1f} "
+              f"ms): verify {args.k_draft + 1} tokens "
+              f"{forward_seconds(model, fast, args.k_draft + 1) / step:.2f}, draft step "
+              f"{forward_seconds(draft, draft_params, 1) / step:.3f}, pruned draft step "
+              f"{forward_seconds(pruned, pruned_params, 1) / step:.3f}", flush=True)
+    prompts8 = heldout_prompts(tokenizer, max(args.prompts, 8))
+    prompts = prompts8[:args.prompts]
+    base = default_config(model, None, max_new_tokens=args.new_tokens)
+    plain = [run(fast, model, [p], base) for p in prompts]
+    plain_tokens = sum(new_tokens(o) for _, o in plain)
+    plain_tps = plain_tokens / sum(s for s, _ in plain)
+    sampled = base.replace(do_sample=True, temperature=0.7, top_k=0, top_p=1.0)
+    tokens, seconds = 0, 0.0
+    for i, p in enumerate(prompts):
+        s, out = run(fast, model, [p], sampled, jax.random.key(i))
+        tokens, seconds = tokens + new_tokens(out), seconds + s
+    sample_plain = tokens / seconds
+    batch8_plain = run(fast, model, prompts8[:8], base)
+    print(f"plain greedy b1 {plain_tps:.1f} tok/s, sampling b1 {sample_plain:.1f} tok/s, "
+          f"greedy b8 {new_tokens(batch8_plain[1]) / batch8_plain[0]:.1f} tok/s "
+          f"({len(prompts)} held-out prompts, {args.new_tokens} new tokens)", flush=True)
+    draft_cfg = dict(num_assistant_tokens=args.k_draft, assistant_confidence_threshold=args.threshold,
+                     num_assistant_tokens_schedule="constant")
+    exit_cfg = dict(assistant_early_exit=exit_layer, num_assistant_tokens=args.k_exit,
+                    assistant_confidence_threshold=args.threshold,
+                    num_assistant_tokens_schedule="constant")
+    methods = {
+        f"early exit E={exit_layer} + adapter": (with_adapter, base.replace(**exit_cfg), None),
+        "draft": (fast, base.replace(**draft_cfg), (draft, draft_params)),
+        "draft, pruned vocab": (fast, base.replace(**draft_cfg), (pruned, pruned_params)),
+        "prompt lookup": (fast, base.replace(prompt_lookup_num_tokens=args.k_lookup), None),
+    }
+    rows = []
+    print("| method | mean accepted length | greedy speed-up b1 | sampling T=0.7 speed-up b1 "
+          "| greedy b8 | greedy output = plain (b1 / b8) |\n|---|---|---|---|---|---|",
+          flush=True)
+    for name, (p, cfg, assistant) in methods.items():
+        if args.methods and not any(m in name for m in args.methods):
+            continue
+        row = measure(name, p, model, prompts, prompts8[:8], cfg, plain, batch8_plain,
+                      sample_plain, assistant)
+        rows.append(row)
+        print(f"| {name} | {row['accepted_length']:.2f} | {row['greedy_b1']:.2f}x | "
+              f"{row['sample_b1']:.2f}x | {row['greedy_b8']:.2f}x | "
+              f"{row['identical']} / {row['identical_b8']} |", flush=True)
+    if args.hf:
+        print("\n| transformers (same weights), greedy b1 | tok/s | vs transformers plain | "
+              "vs jaxgen plain |\n|---|---|---|---|", flush=True)
+        for row in hf_rows(model, params, prompts, args.new_tokens, args, exit_layer,
+                           plain_tps):
+            print(f"| {row['method']} | {row['tokens_per_s']:.1f} | {row['vs_hf_plain']:.2f}x | "
+                  f"{row['vs_jaxgen_plain']:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The drafters trained for the embedded SmolLM2-135M-Instruct and shipped in the package
+(models/weights/, trained by jaxgen.train): where they are and how they load.
+
+    smollm2-135m-instruct-draft          a Hugging Face folder: the standalone draft model
+                                         (+ draft_vocab.json, its pruned draft vocabulary)
+    smollm2-135m-instruct-exit-adapters  exit_adapter_{E}.safetensors: the exit adapter of
+                                         layer E, attached as params["exit_adapters"][str(E)]
+
+The registry calls `load_shipped_draft` for the draft's name and `attach_exit_adapters` on
+the default model's params.
+
+Example:
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
+    >>> attach_exit_adapters(params, folder="/nonexistent") is params   # nothing shipped there
+    True
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+
+WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
+DRAFT_NAME = "smollm2-135m-instruct-draft"
+EXIT_ADAPTERS_NAME = "smollm2-135m-instruct-exit-adapters"
+
+
+def shipped_folder(name: str) -> str:
+    """models/weights/<name> (FileNotFoundError when not shipped)."""
+    folder = os.path.join(WEIGHTS, name)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"shipped weights missing: {folder}")
+    return folder
+
+
+def load_shipped_draft(dtype=jnp.float32, pruned: bool = False, folder: str | None = None):
+    """(model, params, tokenizer) of the standalone draft for SmolLM2-135M-Instruct (or of
+    the draft folder `folder`); with pruned=True the model is a DraftVocabModel over its draft
+    vocabulary (logits only for those rows, -inf elsewhere) and params carry the contiguous
+    "draft_head"."""
+    from .draft_vocab import DraftVocabModel, with_draft_head
+    from .registry import load_hf
+
+    folder = folder or shipped_folder(DRAFT_NAME)
+    model, params, tokenizer = load_hf(folder, dtype)
+    if pruned:
+        model = DraftVocabModel(model, shipped_draft_vocab(folder))
+        params = with_draft_head(model, params)
+    return model, params, tokenizer
+
+
+def shipped_draft_vocab(folder: str | None = None) -> tuple[int, ...]:
+    """The draft vocabulary shipped with the standalone draft (sorted token ids)."""
+    folder = folder or shipped_folder(DRAFT_NAME)
+    with open(os.path.join(folder, "draft_vocab.json"), encoding="utf-8") as f:
+        return tuple(int(t) for t in json.load(f))
+
+
+def exit_adapter_files(folder: str | None = None) -> dict[int, str]:
+    """{E: path} of the shipped exit adapters (empty when none are shipped)."""
+    folder = folder or os.path.join(WEIGHTS, EXIT_ADAPTERS_NAME)
+    found = {}
+    for path in glob.glob(os.path.join(folder, "exit_adapter_*.safetensors")):
+        match = re.fullmatch(r"exit_adapter_(\d+)\.safetensors", os.path.basename(path))
+        if match:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def exit_adapter_layers(folder: str | None = None) -> tuple[int, ...]:
+    """The exit layers that carry a shipped adapter."""
+    return tuple(exit_adapter_files(folder))
+
+
+def attach_exit_adapters(params: dict, dtype=jnp.float32, folder: str | None = None) -> dict:
+    """params with params["exit_adapters"][str(E)] = the shipped adapter of each layer E
+    (the same dict when none are shipped)."""
+    from .safetensors_io import read_safetensors
+
+    files = exit_adapter_files(folder)
+    if not files:
+        return params
+    adapters = {str(e): {k: jnp.asarray(np.asarray(v, np.float32), dtype)
+                         for k, v in read_safetensors(path).items()}
+                for e, path in files.items()}
+    return {**params, "exit_adapters": {**params.get("exit_adapters", {}), **adapters}}
