@@ -126,6 +126,7 @@ JAXGEN_FIELDS = frozenset({"presence_penalty", "frequency_penalty", "filter_impl
 # Hugging Face fields jaxgen accepts only at their default (HF_DEFAULTS) for now: name ->
 # the feature they belong to. An issue that implements one removes it from here.
 NOT_YET_SUPPORTED: dict[str, str] = {
+    "use_mtp": "multi-token-prediction drafting from the checkpoint's MTP layers",
     "speculation_type": "DFlash speculative decoding",
 }
 
@@ -350,7 +351,6 @@ class GenerationConfig:
                 raise ValueError(f"`{name}`={value!r} applies to {feature}, which jaxgen does "
                                  f"not support yet (allowed: {allowed})")
         check_bool("do_sample", self.do_sample)
-        check_bool("use_mtp", self.use_mtp)
         for name in ("assistant_lookbehind", "target_lookbehind"):
             check_int(name, getattr(self, name), low=1,
                       allowed="an int >= 1 (tokens compared when aligning the assistant's and "

@@ -18,6 +18,7 @@ REFUSED = set(C.NOT_YET_SUPPORTED) | set(C.HF_FIELDS_UNSUPPORTED)
 
 # One non-neutral value per refused field.
 NON_NEUTRAL = {
+    "use_mtp": True,
     "speculation_type": "dflash",
     "num_beam_groups": 2,
     "diversity_penalty": 0.5,
