@@ -116,6 +116,17 @@ class Emitter:
         return any(getattr(s, "cancelled", False) for s in self.streamers or ())
 
 
+def finish_run(loop, state: DecodeState, extra, deadline, timings: ChunkTimings,
+               start_time: float, step: int):
+    """The end of a host-driven run: rows still live past `deadline` stop with MAX_TIME, the
+    timings get their totals, and the loop builds its output."""
+    if deadline is not None and time.perf_counter() > deadline:
+        state = stop_all(state, stopping.MAX_TIME)
+    timings.total_s = time.perf_counter() - start_time
+    timings.steps = step
+    return loop.output(state, extra)
+
+
 def stop_all(state: DecodeState, reason: int) -> DecodeState:
     """Marks every live row done with `reason` (host-side, between chunks)."""
     reason_now = jnp.where(state.done, state.stop_reason, reason).astype(jnp.int32)  # [B]
@@ -186,11 +197,7 @@ def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, 
         step += chunk
         timings.chunks += 1
         emitter.emit(state)
-    if deadline is not None and time.perf_counter() > deadline:
-        state = stop_all(state, stopping.MAX_TIME)
-    timings.total_s = time.perf_counter() - start_time
-    timings.steps = step
-    return loop.output(state, extra)
+    return finish_run(loop, state, extra, deadline, timings, start_time, step)
 
 
 __all__: Sequence[str] = ("run_chunked", "as_streamers", "end_streamers", "ChunkTimings",

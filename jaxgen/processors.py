@@ -134,27 +134,37 @@ def process_logits(cfg: GenerationConfig, logits: jax.Array, ctx: ProcessorConte
         scores = _check_user_output(processor, processor(scores, ctx), scores)
 
     if cfg.do_sample:
-        if "temperature" in active:
-            scores = temperature_scale(scores, cfg.temperature)
-        if "top_h" in active:
-            scores = (top_h_filter_sorted if exact else top_h_filter)(scores, cfg.top_h)
-        if "top_k" in active:
-            scores = (top_k_filter_sorted if exact else top_k_filter)(scores, cfg.top_k, keep)
-        if "top_p" in active:
-            scores = (top_p_filter_sorted if exact else top_p_filter)(scores, cfg.top_p, keep)
-        if "min_p" in active:
-            scores = min_p_filter(scores, cfg.min_p, keep, exact=exact)
-        if "typical_p" in active:
-            scores = (typical_filter_sorted if exact else typical_filter)(scores, cfg.typical_p,
-                                                                         keep)
-        if "epsilon_cutoff" in active:
-            scores = epsilon_filter(scores, cfg.epsilon_cutoff, keep)
-        if "eta_cutoff" in active:
-            scores = eta_filter(scores, cfg.eta_cutoff, keep)
+        scores = sampling_warpers(cfg, scores, active=active, exact=exact, keep=keep)
     if cfg.watermarking_config is not None:  # HF: after every other processor
         scores = watermark_scores(scores, ctx, cfg.watermarking_config)
     if cfg.renormalize_logits:
         scores = renormalize(scores)
+    return scores
+
+
+def sampling_warpers(cfg: GenerationConfig, scores: jax.Array, *, active=None, exact=None,
+                     keep=None) -> jax.Array:
+    """The sampling warpers of `cfg` in HF's order (temperature, top-H, top-k, top-p, min-p,
+    typical-p, epsilon, eta): the vocabulary-agnostic part of the chain. scores [B, V]."""
+    active = cfg.active_dynamic() if active is None else active
+    exact = use_exact_filters(cfg) if exact is None else exact
+    keep = min_tokens_to_keep_for(cfg) if keep is None else keep
+    if "temperature" in active:
+        scores = temperature_scale(scores, cfg.temperature)
+    if "top_h" in active:
+        scores = (top_h_filter_sorted if exact else top_h_filter)(scores, cfg.top_h)
+    if "top_k" in active:
+        scores = (top_k_filter_sorted if exact else top_k_filter)(scores, cfg.top_k, keep)
+    if "top_p" in active:
+        scores = (top_p_filter_sorted if exact else top_p_filter)(scores, cfg.top_p, keep)
+    if "min_p" in active:
+        scores = min_p_filter(scores, cfg.min_p, keep, exact=exact)
+    if "typical_p" in active:
+        scores = (typical_filter_sorted if exact else typical_filter)(scores, cfg.typical_p, keep)
+    if "epsilon_cutoff" in active:
+        scores = epsilon_filter(scores, cfg.epsilon_cutoff, keep)
+    if "eta_cutoff" in active:
+        scores = eta_filter(scores, cfg.eta_cutoff, keep)
     return scores
 
 

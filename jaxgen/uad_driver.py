@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import compiled, stopping
-from jaxgen.chunked import ChunkTimings, Emitter, as_streamers, end_streamers, stop_all
+from jaxgen.chunked import (ChunkTimings, Emitter, as_streamers, end_streamers, finish_run,
+                            stop_all)
 from jaxgen.output import GenerateOutput
 from jaxgen.speculative.uad import HostRound, UadInputs, UadPhase
 from jaxgen.state import DecodeState
@@ -251,11 +252,7 @@ def _drive(loop, params, state, cfg, inputs, bridge, *, streamer, max_time, stop
         timings.chunks += 1
         step += 1
         emitter.emit(state)
-    if deadline is not None and time.perf_counter() > deadline:
-        state = stop_all(state, stopping.MAX_TIME)
-    timings.total_s = time.perf_counter() - start_time
-    timings.steps = step
-    return loop.output(state, extra)
+    return finish_run(loop, state, extra, deadline, timings, start_time, step)
 
 
 __all__ = ["UadRows", "run_uad"]

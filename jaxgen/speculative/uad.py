@@ -48,11 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.contracts import DraftRequest, Proposal
-from jaxgen.processors import min_tokens_to_keep_for, use_exact_filters
-from jaxgen.processors_sampling import (epsilon_filter, eta_filter, min_p_filter,
-                                        temperature_scale, top_k_filter, top_k_filter_sorted,
-                                        top_p_filter, top_p_filter_sorted, typical_filter,
-                                        typical_filter_sorted)
+from jaxgen.processors import sampling_warpers
 from jaxgen.sampling import sample_rows
 from jaxgen.speculative.draft_model import split_assistant
 from jaxgen.speculative.loop import speculative_rounds
@@ -121,31 +117,6 @@ class UadInputs:
     draft_params: UadParams
     start_tokens: Optional[jax.Array]
     host: HostRound
-
-
-def sampling_warpers(cfg, scores: jax.Array) -> jax.Array:
-    """The vocabulary-agnostic sampling warpers of `cfg` in HF's order (the assistant's
-    processors when sampling across vocabularies). scores float32 [B, Va]."""
-    active, exact, keep = cfg.active_dynamic(), use_exact_filters(cfg), min_tokens_to_keep_for(cfg)
-    if "temperature" in active:
-        scores = temperature_scale(scores, cfg.temperature)
-    if "top_h" in active:
-        from jaxgen import processors_sampling as warp
-
-        scores = (warp.top_h_filter_sorted if exact else warp.top_h_filter)(scores, cfg.top_h)
-    if "top_k" in active:
-        scores = (top_k_filter_sorted if exact else top_k_filter)(scores, cfg.top_k, keep)
-    if "top_p" in active:
-        scores = (top_p_filter_sorted if exact else top_p_filter)(scores, cfg.top_p, keep)
-    if "min_p" in active:
-        scores = min_p_filter(scores, cfg.min_p, keep, exact=exact)
-    if "typical_p" in active:
-        scores = (typical_filter_sorted if exact else typical_filter)(scores, cfg.typical_p, keep)
-    if "epsilon_cutoff" in active:
-        scores = epsilon_filter(scores, cfg.epsilon_cutoff, keep)
-    if "eta_cutoff" in active:
-        scores = eta_filter(scores, cfg.eta_cutoff, keep)
-    return scores
 
 
 def scatter_q(scores: jax.Array, to_target: jax.Array, target_vocab: int) -> jax.Array:
@@ -384,4 +355,4 @@ class UadPhase:
 
 __all__ = ["BUFFER_RATIO", "FEED_WIDTH", "HostRound", "UadDraftState", "UadDrafter",
            "UadInputs", "UadParams", "UadPhase", "UniversalAssistant", "draft_keys",
-           "sampling_warpers", "scatter_q", "target_proposal"]
+           "scatter_q", "target_proposal"]
