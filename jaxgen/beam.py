@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jaxgen import stopping
 from jaxgen.cache import Cache
 from jaxgen.config import GenerationConfig
+from jaxgen.constraint_automaton import advance, mask_scores
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.output import GenerateOutput
 from jaxgen.processors import process_logits
@@ -118,6 +119,7 @@ class BeamState:
     cache: Cache  # rows b*K + k
     scores: jax.Array | None  # float32 [B*K, N, V] processed scores per step (output_scores)
     logits: jax.Array | None  # float32 [B*K, N, V] raw logits per step (output_logits)
+    constraint: jax.Array | None = None  # int32 [B, K] each running beam's automaton state
 
     def replace(self, **changes) -> "BeamState":
         return dataclasses.replace(self, **changes)
@@ -169,6 +171,7 @@ class _Static:
     cache_axes: tuple  # cache_batch_axes(model, T)
     ext: Extensions  # user logits processors / stopping criteria
     stop_tables: Any  # jaxgen.stopping_strings tables or None
+    automaton: Any = None  # jaxgen.constraint_automaton.TokenAutomaton or None
 
 
 def num_candidates(cfg: GenerationConfig) -> int:
@@ -238,7 +241,11 @@ def beam_step(static: _Static, bs: BeamState, raw_logits: jax.Array) -> BeamStat
     lengths = static.prompt_len + step  # [B] index the new token goes to
     ctx = _context(static, bs.run_tokens.reshape(batch * beams, buffer_len), lengths, beams)
     raw_logits = raw_logits.astype(jnp.float32)
-    scores = process_logits(static.cfg, jax.nn.log_softmax(raw_logits, axis=-1), ctx,
+    logprobs = jax.nn.log_softmax(raw_logits, axis=-1)  # [B*K, V]
+    if static.automaton is not None:  # HF's prefix constraint: -inf outside, no renormalising
+        logprobs = mask_scores(static.automaton, bs.constraint.reshape(-1), logprobs,
+                               static.eos_ids)
+    scores = process_logits(static.cfg, logprobs, ctx,
                             extra=static.ext.logits_processor)  # [B*K, V] (HF: on log-probs)
     acc = (scores.reshape(batch, beams, vocab)
            + bs.run_scores[:, :, None]).reshape(batch, beams * vocab)  # [B, K*V]
@@ -263,6 +270,11 @@ def beam_step(static: _Static, bs: BeamState, raw_logits: jax.Array) -> BeamStat
     _, keep = jax.lax.top_k(run_lp, beams)  # [B, K]
     run_scores = _take(run_lp, keep)  # [B, K]
     run_source = _take(source, keep)  # [B, K]
+    run_constraint = bs.constraint
+    if static.automaton is not None:  # each kept beam's state, moved along its new token
+        moved = advance(static.automaton, _take(bs.constraint, source).reshape(-1),
+                        token.reshape(-1)).reshape(batch, width)  # [B, W]
+        run_constraint = _take(moved, keep)  # [B, K]
 
     # f. merge the newly finished top-K candidates into the finished set
     lp = static.length_penalty  # [B]
@@ -325,6 +337,7 @@ def beam_step(static: _Static, bs: BeamState, raw_logits: jax.Array) -> BeamStat
         cache=gather_rows(bs.cache, static.cache_axes, flat_source),
         scores=record(bs.scores, scores),
         logits=record(bs.logits, raw_logits),
+        constraint=run_constraint,
         **fin,
     )
 
@@ -359,6 +372,8 @@ def init_beams(state: DecodeState, cfg: GenerationConfig, cache) -> BeamState:
         cache=cache,
         scores=per_step(cfg.output_scores),
         logits=per_step(cfg.output_logits),
+        constraint=None if state.constraint is None else jnp.repeat(
+            state.constraint.state[:, None], beams, axis=1),  # [B, K]
     )
 
 
@@ -383,7 +398,8 @@ def beam_search(params, state: DecodeState, cfg: GenerationConfig,
         early_stopping=cfg.early_stopping, do_sample=bool(cfg.do_sample), eos_ids=cfg.eos_ids,
         prompt_len=state.prompt_len, max_new=state.max_new, length_penalty=lp,
         keys=state.key, cfg=cfg.repeat_rows(batch, beams), cache_axes=axes, ext=ext,
-        stop_tables=getattr(state, "stop_tables", None))
+        stop_tables=getattr(state, "stop_tables", None),
+        automaton=None if state.constraint is None else state.constraint.automaton)
     # The prompt runs once per row; its cache is then repeated to the K beams of the row.
     state, logits = prefill(params, state, cfg.prefill_chunk_size)  # logits [B, V]
     bs = init_beams(state, cfg, repeat_rows(state.cache, axes, beams))

@@ -7,6 +7,13 @@
     $ jaxgen --model ./hf-folder --do-sample --temperature 0.7 --seed 1 "Hi"
     $ jaxgen --assistant ./small-draft "Hi"     # assisted decoding; a draft with another
                                                 # tokenizer runs universal assisted decoding
+    $ jaxgen --speculative lookup "Hi"          # lookup | draft | early-exit (lossless); the
+                                                # summary adds the mean accepted drafts/round
+
+A second run is fast: compiled programs and the converted default model are kept in a
+per-user cache (jaxgen.cli_cache; --no-cache turns it off). One answer of up to
+STACKED_MAX_NEW_TOKENS runs the stacked layout (the fastest to compile and to load), longer
+ones, --chat and batches the unstacked one (the fastest per token); --layout overrides.
 
 With no --model the embedded default (SmolLM2-135M-Instruct) answers. Batch mode (checked
 input, crash-safe output, --resume, Ctrl-C within one chunk) lives in jaxgen.cli_batch.
@@ -22,9 +29,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from jaxgen.cli_batch import (EXIT_INPUT, EXIT_INTERRUPTED, EXIT_MODEL,  # noqa: F401
                               EXIT_RUNTIME, EXIT_USAGE, CliError, run_batch)
+from jaxgen.cli_speculative import METHODS
+
+# --layout auto: one answer of up to this many new tokens runs the stacked layout. Measured
+# (benchmarks/bench_cli.py): stacked compiles ~2x faster and a warm start costs ~1.6 CPU-s
+# less; unstacked decodes ~1.7x faster (about 36 ms less CPU per token), so unstacked wins
+# from ~45 new tokens on a warm cache and ~200 on a cold one
+STACKED_MAX_NEW_TOKENS = 256
 
 INT32_MAX = 2**31 - 1
 
@@ -82,14 +97,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-stream", action="store_true", help="print the answer at the end")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--quiet", action="store_true", help="no summary line")
-    parser.add_argument("--no-compile-cache", action="store_true",
-                        help="do not keep compiled programs on disk between runs (default: "
-                             "$JAXGEN_CACHE_DIR or ~/.cache/jaxgen/xla)")
+    parser.add_argument("--no-cache", "--no-compile-cache", dest="no_cache",
+                        action="store_true",
+                        help="keep nothing on disk between runs: no compiled programs, no "
+                             "converted model (default cache: $JAXGEN_CACHE_DIR, else "
+                             "~/.cache/jaxgen)")
+    parser.add_argument("--layout", choices=("auto", "stacked", "unstacked"), default="auto",
+                        help="weights layout: stacked compiles and loads fastest, unstacked "
+                             "decodes fastest (auto: stacked up to "
+                             f"{STACKED_MAX_NEW_TOKENS} new tokens, else unstacked; "
+                             "unstacked for --input and --chat)")
+    parser.add_argument("--speculative", choices=sorted(METHODS), default=None,
+                        metavar="METHOD",
+                        help="assisted decoding, same answer: " + ", ".join(sorted(METHODS))
+                             + " (lookup: prompt n-grams; draft: --assistant or the shipped "
+                               "draft; early-exit: the first --exit-layer layers draft)")
+    parser.add_argument("--draft-tokens", type=_bounded_int(1, 1024), default=None,
+                        metavar="K", help="draft length per round with --speculative")
+    parser.add_argument("--exit-layer", type=_bounded_int(1, INT32_MAX), default=None,
+                        metavar="E", help="--speculative early-exit: draft with layers "
+                                          "[0, E) (default: a trained exit layer, else half)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="a second summary line: load time and what came from the caches")
     return parser
 
 
-def _overrides(args) -> dict:
+def _overrides(args, model) -> dict:
+    from jaxgen.cli_speculative import config_fields
+
     fields = {"max_new_tokens": args.max_new_tokens}
+    fields.update(config_fields(args.speculative, draft_tokens=args.draft_tokens,
+                                exit_layer=args.exit_layer, model=model))
     if args.do_sample:
         fields["do_sample"] = True
     for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
@@ -99,64 +137,80 @@ def _overrides(args) -> dict:
     return fields
 
 
-class _CompileClock:
-    """Sums XLA compile time reported by jax.monitoring while active."""
-
-    def __init__(self):
-        import jax
-
-        self.seconds = 0.0
-        self.active = True
-
-        def listener(event, duration, **_):
-            if self.active and event.endswith("backend_compile_duration"):
-                self.seconds += duration
-
-        jax.monitoring.register_event_duration_secs_listener(listener)
+def choose_layout(args) -> str:
+    """"stacked" or "unstacked" for this run (--layout, else by request size)."""
+    if args.layout != "auto":
+        return args.layout
+    if args.input or args.chat:  # many answers from one load: decode speed wins
+        return "unstacked"
+    return "stacked" if args.max_new_tokens <= STACKED_MAX_NEW_TOKENS else "unstacked"
 
 
 def load_model(args):
     import jax.numpy as jnp
 
     from jaxgen import models
+    from jaxgen.cli_cache import model_cache_dir
 
     name = args.model or models.DEFAULT_MODEL
+    started = time.perf_counter()
     try:
-        model, params, tokenizer = models.load(name, dtype=jnp.float32 if args.dtype == "float32"
-                                               else jnp.bfloat16)
+        model, params, tokenizer = models.load(
+            name, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16,
+            cache_dir=None if args.no_cache else model_cache_dir())
     except (FileNotFoundError, ValueError, OSError) as error:
         raise CliError(f"cannot load model {name!r}: {error}", EXIT_MODEL) from None
     if tokenizer is None:
         raise CliError(f"model {name!r} has no tokenizer.json: the command line needs text",
                        EXIT_MODEL)
-    return model, models.unstack_layers(model, params), tokenizer
+    if choose_layout(args) == "unstacked":
+        params = models.unstack_layers(model, params)
+    args.load_s = time.perf_counter() - started
+    return model, params, tokenizer
+
+
+def assistant_to_load(args) -> str | None:
+    """The assistant's name or path: --assistant, or the one a --speculative method ships
+    with; a usage error when the method needs one that is not there."""
+    from jaxgen.cli_speculative import assistant_name
+    from jaxgen.models.registry import DEFAULT_MODEL
+
+    try:
+        return assistant_name(args.speculative, assistant=args.assistant,
+                              model_name=args.model or DEFAULT_MODEL, default_model=DEFAULT_MODEL)
+    except ValueError as error:
+        raise CliError(str(error), EXIT_USAGE) from None
 
 
 def load_assistant(args, model):
-    """(model, params, tokenizer) of --assistant, or None without it."""
-    if not args.assistant:
-        return None
+    """(model, params, tokenizer) of the assistant (--assistant, or the draft
+    --speculative draft ships with), or None without one."""
     import jax.numpy as jnp
 
     from jaxgen import models
 
+    name = assistant_to_load(args)
+    if not name:
+        return None
     try:
         draft, params, tokenizer = models.load(
-            args.assistant, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16)
+            name, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16)
     except (FileNotFoundError, ValueError, OSError) as error:
-        raise CliError(f"cannot load assistant {args.assistant!r}: {error}", EXIT_MODEL) from None
+        raise CliError(f"cannot load assistant {name!r}: {error}", EXIT_MODEL) from None
     if tokenizer is None and int(draft.vocab_size) != int(model.vocab_size):
-        raise CliError(f"assistant {args.assistant!r} has another vocabulary and no "
+        raise CliError(f"assistant {name!r} has another vocabulary and no "
                        f"tokenizer.json: universal assisted decoding needs its tokenizer",
                        EXIT_MODEL)
-    return draft, models.unstack_layers(draft, params), tokenizer
+    if isinstance(draft, models.Llama):  # drafters of other kinds keep their own layout
+        params = models.unstack_layers(draft, params)
+    return draft, params, tokenizer
 
 
 def make_config(model, args):
     from jaxgen.generate import default_config
 
     try:
-        return default_config(model, None, **_overrides(args))
+        return default_config(model, None, **_overrides(args, model))
     except ValueError as error:
         raise CliError(str(error), EXIT_USAGE) from None
 
@@ -189,7 +243,7 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
     from jaxgen.text import InvalidLogitsError, check_logits_valid
 
     timings = ChunkTimings()
-    compiled_before = clock.seconds
+    compiled_before = clock.compile_s
     state = jaxgen.init_state(model, [row], cfg, jax.random.key(args.seed))
     assisted = {}
     if assistant is not None:
@@ -210,10 +264,17 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
         print(text.strip())
     new_tokens = int(out.lengths[0] - out.prompt_lengths[0])
     if not args.quiet:
-        compile_s = clock.seconds - compiled_before
+        compile_s = clock.compile_s - compiled_before
         rate = new_tokens / max(timings.total_s - compile_s, 1e-9)
+        accepted = ""
+        if out.speculative is not None:
+            accepted = f", {float(out.speculative.mean_accepted[0]):.2f} drafts accepted/round"
         print(f"[{new_tokens} new tokens, {rate:.1f} tokens/s, first token "
-              f"{timings.first_token_s:.2f}s, compile {compile_s:.1f}s]", file=sys.stderr)
+              f"{timings.first_token_s:.2f}s, compile {compile_s:.1f}s{accepted}]",
+              file=sys.stderr)
+        if args.verbose:
+            print(f"[load {getattr(args, 'load_s', 0.0):.2f}s ({choose_layout(args)} layout), "
+                  f"{clock.summary()}]", file=sys.stderr)
     return text
 
 
@@ -243,44 +304,35 @@ def run_chat(model, params, tokenizer, cfg, args, clock, assistant=None) -> int:
     return 0
 
 
-def compile_cache_dir() -> str:
-    """Where the CLI keeps compiled programs: $JAXGEN_CACHE_DIR, else ~/.cache/jaxgen/xla."""
-    return os.environ.get("JAXGEN_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "jaxgen", "xla")
-
-
-def enable_compile_cache(args) -> None:
-    """JAX's persistent compilation cache, so a second run skips the compile (about 5 s of
-    the default model's first answer here). A JAX_COMPILATION_CACHE_DIR the user set wins;
-    a cache that cannot be used is skipped silently (it only saves time)."""
-    if args.no_compile_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return
-    import jax
-    try:
-        path = compile_cache_dir()
-        os.makedirs(path, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    except (OSError, AttributeError, ValueError):
-        pass
-
-
 def run(args) -> int:
-    enable_compile_cache(args)
+    from jaxgen.cli_cache import CacheStats, enable_compile_cache
+    from jaxgen.cli_speculative import check_flags
+
+    try:
+        check_flags(args.speculative, assistant=args.assistant, exit_layer=args.exit_layer)
+    except ValueError as error:
+        raise CliError(str(error), EXIT_USAGE) from None
+    if args.draft_tokens is not None and not args.speculative:
+        raise CliError("--draft-tokens needs --speculative", EXIT_USAGE)
+    if not args.input:
+        assistant_to_load(args)  # refused before anything loads
+    if not args.no_cache:
+        enable_compile_cache()
     for flag in ("output", "resume", "overwrite"):
         if getattr(args, flag) and not args.input:
             raise CliError(f"--{flag} needs --input", EXIT_USAGE)
     if args.chat and (args.input or args.prompt):
         raise CliError("--chat reads turns from stdin: drop the prompt / --input", EXIT_USAGE)
     if args.input:
-        if args.assistant:
-            raise CliError("--assistant is not supported with --input (batch mode) yet; "
-                           "drop one of them", EXIT_USAGE)
+        for flag in ("assistant", "speculative"):
+            if getattr(args, flag):
+                raise CliError(f"--{flag} is not supported with --input (batch mode) yet; "
+                               f"drop one of them", EXIT_USAGE)
         if args.prompt is not None:
             raise CliError("--input reads the prompts from the file: drop the prompt",
                            EXIT_USAGE)
         return run_batch(args, load_model, make_config)
-    clock = _CompileClock()
+    clock = CacheStats()
     model, params, tokenizer = load_model(args)
     cfg = make_config(model, args)
     assistant = load_assistant(args, model)

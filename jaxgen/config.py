@@ -117,6 +117,11 @@ HF_DEFAULTS: dict[str, Any] = {
     # model (the per-row draft length moves inside [1, K_max] under the "heuristic"
     # schedules). None: num_assistant_tokens. Static.
     "max_assistant_tokens": None,
+    # Classifier-free guidance (Hugging Face's UnbatchedClassifierFreeGuidanceLogitsProcessor,
+    # jaxgen.guidance): a finite float, one or one per row; None or 1 is off. Dynamic (a new
+    # value never recompiles; whether guidance runs at all is part of the program). The
+    # unconditional prompt is generate(negative_prompt_ids=...), else each prompt's last token.
+    "guidance_scale": None,
 }
 
 # Fields of HF_DEFAULTS that Hugging Face's GenerationConfig does not have.
@@ -126,7 +131,6 @@ JAXGEN_FIELDS = frozenset({"presence_penalty", "frequency_penalty", "filter_impl
 # Hugging Face fields jaxgen accepts only at their default (HF_DEFAULTS) for now: name ->
 # the feature they belong to. An issue that implements one removes it from here.
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "use_mtp": "multi-token-prediction drafting from the checkpoint's MTP layers",
     "speculation_type": "DFlash speculative decoding",
 }
 
@@ -145,7 +149,6 @@ HF_FIELDS_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "encoder_repetition_penalty": ((1.0,), _ENCODER_DECODER),
     "encoder_no_repeat_ngram_size": ((0,), _ENCODER_DECODER),
     "decoder_start_token_id": ((), _ENCODER_DECODER),
-    "guidance_scale": ((1.0,), "classifier-free guidance is not implemented"),
     "token_healing": ((False,), "token healing is not implemented"),
     "output_attentions": ((False,), "jaxgen's models do not return attention weights"),
     "output_hidden_states": ((False,), "jaxgen's models do not return hidden states"),
@@ -168,7 +171,7 @@ DYNAMIC_FIELDS = (
     "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",
     "eta_cutoff", "repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty",
     "assistant_ensemble_weight", "assistant_confidence_threshold",
-    "min_length", "min_new_tokens", "prompt_ignore_length",
+    "min_length", "min_new_tokens", "prompt_ignore_length", "guidance_scale",
 )
 # The dynamic fields that hold ints (cast to int32 for the jit; the others to float32).
 DYNAMIC_INT_FIELDS = frozenset({"top_k", "min_length", "min_new_tokens", "prompt_ignore_length"})
@@ -336,7 +339,8 @@ class GenerationConfig:
             value = getattr(self, name)
             if name == "length_penalty":  # not a processor: always part of the beam program
                 continue
-            if value is not None and _is_concrete(value) and _differs(value, HF_DEFAULTS[name]):
+            neutral = 1.0 if name == "guidance_scale" else HF_DEFAULTS[name]  # None / 1: off
+            if value is not None and _is_concrete(value) and _differs(value, neutral):
                 active.add(name)
         return frozenset(active)
 
@@ -351,6 +355,7 @@ class GenerationConfig:
                 raise ValueError(f"`{name}`={value!r} applies to {feature}, which jaxgen does "
                                  f"not support yet (allowed: {allowed})")
         check_bool("do_sample", self.do_sample)
+        check_bool("use_mtp", self.use_mtp)
         for name in ("assistant_lookbehind", "target_lookbehind"):
             check_int(name, getattr(self, name), low=1,
                       allowed="an int >= 1 (tokens compared when aligning the assistant's and "
@@ -381,6 +386,10 @@ class GenerationConfig:
                              "do_sample=False for greedy decoding (allowed: temperature > 0)")
         check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True,
                     allowed="a float in (0, 1]")
+        check_float("guidance_scale", self.guidance_scale,
+                    allowed="a finite float, one or one per row (None or 1: no guidance; "
+                            "> 1 follows the prompt more, < 1 turns a negative prompt into a "
+                            "positive one)")
         check_int("top_k", self.top_k, per_row=True, allowed="an int >= 0 (0 disables it)")
         for name in ("pad_token_id", "bos_token_id"):
             check_int(name, getattr(self, name), allow_none=True,

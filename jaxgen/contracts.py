@@ -136,6 +136,12 @@ class DraftRequest:
     target_params  the target's params when the drafter reads "params", else None
     hidden         float [B, D]: the target's last hidden state at each row's newest
                    verified position, when the drafter reads "hidden", else None
+    hidden_states  float [B, W, D]: the target's last hidden states (before the final norm)
+                   of the positions the last forward verified, when the drafter reads
+                   "hidden_states" (e.g. MTP layers), else None. Entry j is position
+                   hidden_start + j; entries j < state.length - 1 - hidden_start are the
+                   verified ones (the round's emitted tokens; after the prefill, the prompt)
+    hidden_start   int32 [B]: the position of hidden_states[:, 0] (0 after the prefill)
     """
 
     state: Any
@@ -148,6 +154,8 @@ class DraftRequest:
     threshold: Any = None
     target_params: Any = None
     hidden: Optional[jax.Array] = None
+    hidden_states: Optional[jax.Array] = None
+    hidden_start: Optional[jax.Array] = None
 
 
 @runtime_checkable
@@ -159,9 +167,11 @@ class Drafter(Protocol):
                  threshold apply (draft models: yes; prompt lookup: always starts at K)
     reads        what the drafter reads from the target besides its tokens:
                  "params" (it runs part of the target, e.g. early exit), "hidden" (the
-                 target's last hidden state, e.g. MTP heads), "cache" (it writes or reads the
-                 target's KV cache, e.g. a shared-cache early exit); the loop hands these over
-                 in the DraftRequest only when asked
+                 target's last hidden state, e.g. MTP heads), "hidden_states" (the hidden
+                 states of every position the last forward verified, e.g. the checkpoint's
+                 MTP layers), "cache" (it writes or reads the target's KV cache, e.g. a
+                 shared-cache early exit); the loop hands these over in the DraftRequest
+                 only when asked
 
     Methods (all traced inside the one compiled loop):
         init(draft_params, state, target_params=None) -> draft_state   after the prefill

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import GenerationConfig
+from jaxgen.constraint_automaton import constrain, step_carry
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.output import GenerateOutput, StepRecord
 from jaxgen.sampling import token_logprobs
@@ -31,10 +32,15 @@ from jaxgen.step import (choose, forward_last, mark_done, prefill, state_context
 
 
 def choose_and_write(cfg: GenerationConfig, state: DecodeState, raw_logits: jax.Array,
-                     record: StepRecord, step, ext: Extensions = NO_EXTENSIONS
-                     ) -> tuple[DecodeState, StepRecord]:
-    """Processes logits [B, V], picks a token per live row, writes it and updates stops."""
-    scores, chosen = choose(cfg, raw_logits, state_context(state), state.key, ext)  # [B, V], [B]
+                     record: StepRecord, step, ext: Extensions = NO_EXTENSIONS,
+                     guided: jax.Array | None = None) -> tuple[DecodeState, StepRecord]:
+    """Processes logits [B, V], picks a token per live row, writes it and updates stops.
+    A constraint (state.constraint) masks the logits first and moves along the token.
+    guided: classifier-free guidance's scores [B, V] (jaxgen.guidance): the chain starts
+    from them instead of raw_logits (HF runs the guidance processor first)."""
+    start = raw_logits if guided is None else guided  # [B, V]
+    allowed = constrain(state.constraint, start, cfg.eos_ids)  # [B, V]
+    scores, chosen = choose(cfg, allowed, state_context(state), state.key, ext)  # [B, V], [B]
     live = ~state.done  # [B]
     chosen = jnp.where(live, chosen, state.pad_token_id)  # [B]
     tokens = write_if_live(state.tokens, state.length, chosen, live)  # [B, T]
@@ -45,7 +51,8 @@ def choose_and_write(cfg: GenerationConfig, state: DecodeState, raw_logits: jax.
                        scores=scores, raw_logits=raw_logits)
     done, reason = mark_done(state.done, state.stop_reason, flags, live)
     record = record.write(step, token_logprobs(scores, chosen), scores, raw_logits)
-    return state.replace(tokens=tokens, length=length, done=done, stop_reason=reason), record
+    return state.replace(tokens=tokens, length=length, done=done, stop_reason=reason,
+                         constraint=step_carry(state.constraint, chosen, live)), record
 
 
 def decode_start(params, state: DecodeState, cfg: GenerationConfig,

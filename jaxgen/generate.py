@@ -24,6 +24,8 @@ import jax
 from jaxgen.chunked import end_streamers
 from jaxgen.compiled import trace_count
 from jaxgen.config import GenerationConfig
+from jaxgen.constraint_compile import resolve_constraint
+from jaxgen.guidance_inputs import guidance_buffer_len
 from jaxgen.output import GenerateOutput, outputs_to_lists
 from jaxgen.plan import canonical_config, execute, make_plan
 from jaxgen.state import DecodeState, init_state
@@ -58,7 +60,9 @@ def check_inputs(params, state: DecodeState, cfg: GenerationConfig) -> None:
 def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
              stopping_criteria=(), custom_generate=None, assistant_model=None,
              num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
-             timings=None, tokenizer=None, assistant_tokenizer=None) -> GenerateOutput:
+             timings=None, tokenizer=None, assistant_tokenizer=None,
+             negative_prompt_ids=None, negative_prompt_attention_mask=None,
+             prefix_allowed_tokens_fn=None) -> GenerateOutput:
     """Decodes every row of `state` to completion under `cfg`. Consumes `state`.
 
     logits_processor / stopping_criteria / custom_generate: user hooks, static for the jit
@@ -77,6 +81,13 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     steps per jit call, with identical tokens. Streamers are ended on every exit path (an
     error reaches an iterator streamer's consumer). timings: an optional
     jaxgen.chunked.ChunkTimings filled in by the chunked driver.
+    negative_prompt_ids / negative_prompt_attention_mask: classifier-free guidance's
+    unconditional prompts (cfg.guidance_scale != 1; HF's generate arguments): id lists, or a
+    left-padded [B, S] array with its mask; one, or one per prompt (jaxgen.guidance_inputs).
+    prefix_allowed_tokens_fn: HF's `fn(batch_id, input_ids) -> allowed ids`, called on the
+    host for every row before every token (greedy / sampling; the chunked driver one step per
+    call, jaxgen.constraint_host). The compiled form is a token automaton in the state
+    (init_state(constraint=...), jaxgen.constraint_automaton), which every mode applies.
     """
     try:
         check_inputs(params, state, cfg)
@@ -85,7 +96,10 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
                          assistant_model=assistant_model,
                          num_assistant_tokens=num_assistant_tokens, streamer=streamer,
                          stop_event=stop_event, chunk_size=chunk_size, timings=timings,
-                         tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
+                         tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
+                         negative_prompt_ids=negative_prompt_ids,
+                         negative_prompt_attention_mask=negative_prompt_attention_mask,
+                         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
     except BaseException as error:
         end_streamers(streamer, error)
         raise
@@ -113,7 +127,9 @@ def default_config(model, cfg: GenerationConfig | None = None, **overrides: Any)
 def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *, key=None,
                  tokenizer=None, logits_processor=(), stopping_criteria=(),
                  custom_generate=None, assistant_model=None, assistant_tokenizer=None,
-                 streamer=None, stop_event=None, mesh=None,
+                 streamer=None, stop_event=None, mesh=None, negative_prompt_ids=None,
+                 negative_prompt_attention_mask=None, regex=None, json_schema=None,
+                 choices=None, constraint=None, prefix_allowed_tokens_fn=None,
                  **overrides: Any) -> list[list[int]]:
     """Prompt + generated ids per row, padding removed (HF's output, row by row).
 
@@ -123,10 +139,25 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
     logits_processor / stopping_criteria / custom_generate: user hooks (jaxgen.extensions).
     mesh: a ("data", "model") jax.sharding.Mesh: rows and KV cache sharded over it
     (init_state(..., mesh=)); pass params placed by jaxgen.models.shard.
+    negative_prompt_ids / negative_prompt_attention_mask: classifier-free guidance's
+    unconditional prompts (see `generate`); the buffer is sized to hold them.
+    regex / json_schema / choices: constrained generation (one of them; needs tokenizer=):
+    compiled to a token automaton for the tokenizer (jaxgen.constraint_compile, cached) that
+    every mode applies; constraint: a prebuilt jaxgen.constraint_automaton.TokenAutomaton.
+    prefix_allowed_tokens_fn: HF's host function instead (see `generate`).
     """
     try:
         cfg = default_config(model, cfg, **overrides)
-        state = init_state(model, prompts, cfg, key, tokenizer=tokenizer, mesh=mesh)
+        constraint = resolve_constraint(model, tokenizer, regex=regex, json_schema=json_schema,
+                                        choices=choices, constraint=constraint,
+                                        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        state = init_state(model, prompts, cfg, key, tokenizer=tokenizer, mesh=mesh,
+                           constraint=constraint)
+        wider = guidance_buffer_len(state, cfg, negative_prompt_ids,
+                                    negative_prompt_attention_mask)
+        if wider is not None:  # the negative prompts need a longer buffer than the prompts
+            state = init_state(model, prompts, cfg, key, tokenizer=tokenizer, mesh=mesh,
+                               buffer_len=wider, constraint=constraint)
     except BaseException as error:
         end_streamers(streamer, error)
         raise
@@ -135,7 +166,11 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
                                      custom_generate=custom_generate,
                                      assistant_model=assistant_model, streamer=streamer,
                                      stop_event=stop_event, tokenizer=tokenizer,
-                                     assistant_tokenizer=assistant_tokenizer))
+                                     assistant_tokenizer=assistant_tokenizer,
+                                     negative_prompt_ids=negative_prompt_ids,
+                                     negative_prompt_attention_mask=(
+                                         negative_prompt_attention_mask),
+                                     prefix_allowed_tokens_fn=prefix_allowed_tokens_fn))
 
 
 __all__ = ["GenerateOutput", "generate", "generate_ids", "default_config", "trace_count",

@@ -8,6 +8,7 @@ config, the hooks, the assistant and the host-side options, applies every cross-
                DecodeLoop        greedy / sampling                      (jaxgen.decode)
                BeamLoop          beam search / beam sampling            (jaxgen.beam)
                SpeculativeLoop   assisted decoding with one drafter     (jaxgen.speculative)
+               GuidedLoop        classifier-free guidance (guidance_scale) (jaxgen.guidance)
                CustomLoop        custom_generate owns the loop
     driver   "single"   one jit call runs the whole loop
              "chunked"  the host drives the loop `chunk_size` steps per call (streamers,
@@ -45,13 +46,17 @@ from jaxgen.beam import BeamLoop
 from jaxgen.chunked import DEFAULT_CHUNK, ChunkTimings, run_chunked
 from jaxgen.config import DYNAMIC_FIELDS, DYNAMIC_INT_FIELDS, GenerationConfig
 from jaxgen.config_checks import check_int
+from jaxgen.constraint_host import prefix_fn_hook
 from jaxgen.decode import DecodeLoop
 from jaxgen.extensions import Extensions, accepts_hooks, make_extensions, resolve_custom_generate
 from jaxgen.growing import grow_before_chunks, growing_chunk_size
+from jaxgen.guidance import GuidedLoop
+from jaxgen.guidance_inputs import guidance_request
 from jaxgen.output import GenerateOutput
 from jaxgen.speculative import AssistInputs, SpeculativeLoop
 from jaxgen.speculative.draft_model import DraftModelDrafter
 from jaxgen.speculative.early_exit import EarlyExitDrafter
+from jaxgen.speculative.mtp import MtpDrafter
 from jaxgen.speculative.mtp_assistant import MtpAssistantDrafter
 from jaxgen.speculative.prompt_lookup import PromptLookupDrafter
 from jaxgen.speculative.uad import UadDrafter
@@ -64,6 +69,7 @@ DRAFTERS = (
     PromptLookupDrafter,  # cfg.prompt_lookup_num_tokens
     UadDrafter,  # assistant_model + tokenizer + assistant_tokenizer: another vocabulary
     EarlyExitDrafter,  # cfg.assistant_early_exit
+    MtpDrafter,  # cfg.use_mtp
     DraftModelDrafter,  # assistant_model=(model, params)
     MtpAssistantDrafter,  # assistant_model=(MTP drafter, params): reads the target
 )
@@ -111,6 +117,7 @@ class Plan:
     stop_event: Any = None
     timings: ChunkTimings | None = None
     bridge: Any = None  # "uad": the two tokenizers (jaxgen.uad_text.TokenBridge)
+    prefix_fn: Any = None  # prefix_allowed_tokens_fn: the chunked driver, one step a chunk
 
 
 def is_traced(*trees) -> bool:
@@ -134,9 +141,10 @@ def choose_drafter(cfg: GenerationConfig, target_model, assistant_model,
         return None, None
     if len(chosen) > 1:
         raise ValueError("pass only one way of drafting: `assistant_model`, "
-                         "`prompt_lookup_num_tokens` or `assistant_early_exit`, not several")
+                         "`prompt_lookup_num_tokens`, `assistant_early_exit` or `use_mtp`, "
+                         "not several")
     if cfg.num_beams > 1:
-        raise ValueError(f"assisted decoding (assistant_model / prompt lookup) does not "
+        raise ValueError(f"assisted decoding (assistant_model / prompt lookup / use_mtp) does not "
                          f"support beam search (num_beams={cfg.num_beams}); use greedy or "
                          f"sampling (allowed: num_beams=1)")
     start = None
@@ -166,13 +174,48 @@ def _check_hooks(state: DecodeState, cfg: GenerationConfig, ext: Extensions, cus
                          "dropped; add them to its signature or do not pass them")
 
 
-def _choose_driver(cfg: GenerationConfig, loop, traced: bool, streamer, stop_event) -> str:
+def _check_constraint(state: DecodeState, cfg: GenerationConfig, loop, prefix_fn,
+                      drafter) -> None:
+    """Errors for a constraint (state.constraint or prefix_allowed_tokens_fn) that a path
+    cannot honour, before anything compiles."""
+    if prefix_fn is not None and not callable(prefix_fn):
+        raise ValueError(f"`prefix_allowed_tokens_fn` must be a callable (batch_id, input_ids) "
+                         f"-> allowed token ids, got {prefix_fn!r}")
+    constrained = state.constraint is not None or prefix_fn is not None
+    if not constrained:
+        return
+    if state.constraint is not None and prefix_fn is not None:
+        raise ValueError("pass one constraint: `prefix_allowed_tokens_fn` together with a "
+                         "compiled constraint (regex= / json_schema= / choices= / "
+                         "constraint=) is ambiguous")
+    what = ("`prefix_allowed_tokens_fn`" if prefix_fn is not None else
+            "a constraint (regex= / json_schema= / choices= / constraint=)")
+    if isinstance(loop, CustomLoop):
+        raise ValueError(f"{what} cannot be combined with custom_generate (it owns the loop)")
+    if getattr(drafter, "host_rounds", False):
+        raise ValueError(f"{what} is not supported with universal assisted decoding (an "
+                         f"assistant with another tokenizer); use an assistant with the "
+                         f"target's vocabulary or prompt lookup")
+    if prefix_fn is not None and type(loop) is not DecodeLoop:
+        raise ValueError("`prefix_allowed_tokens_fn` runs on the host between one-token steps: "
+                         "it supports greedy and sampling only; for beam search or assisted "
+                         "decoding compile the constraint (regex= / json_schema= / choices=, "
+                         "or a jaxgen.constraint_automaton.TokenAutomaton as constraint=)")
+    if state.constraint is not None and state.constraint.automaton.eos_at_final \
+            and not cfg.eos_ids:
+        raise ValueError("a constraint needs an EOS token to end on (eos_token_id is unset): "
+                         "set eos_token_id in the config")
+
+
+def _choose_driver(cfg: GenerationConfig, loop, traced: bool, streamer, stop_event,
+                   prefix_fn=None) -> str:
     """"single", "chunked" or "growing", with the rules that forbid a combination."""
-    host = streamer is not None or cfg.max_time is not None or stop_event is not None
+    host = (streamer is not None or cfg.max_time is not None or stop_event is not None
+            or prefix_fn is not None)
     growing = cfg.cache_implementation == "dynamic"
     if not host and not growing:
         return "single"
-    what = ("streamer / max_time / stop_event" if host else
+    what = ("streamer / max_time / stop_event / prefix_allowed_tokens_fn" if host else
             "cache_implementation='dynamic' (it grows the cache between chunks)")
     if traced:
         raise ValueError(f"{what} need the host between chunks: they cannot run under "
@@ -195,7 +238,9 @@ def _choose_driver(cfg: GenerationConfig, loop, traced: bool, streamer, stop_eve
 def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
               stopping_criteria=(), custom_generate=None, assistant_model=None,
               num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
-              timings=None, tokenizer=None, assistant_tokenizer=None) -> Plan:
+              timings=None, tokenizer=None, assistant_tokenizer=None,
+              negative_prompt_ids=None, negative_prompt_attention_mask=None,
+              prefix_allowed_tokens_fn=None) -> Plan:
     """The plan for one call (see the module docs). Raises ValueError for any combination
     that cannot run, before anything compiles."""
     ext = make_extensions(logits_processor, stopping_criteria)
@@ -207,16 +252,21 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
     if drafter is not None and custom is not None:
         raise ValueError("custom_generate replaces the decoding loop: it cannot be combined "
                          "with assistant_model / prompt_lookup_num_tokens")
+    guidance = guidance_request(state, cfg, negative_prompt_ids, negative_prompt_attention_mask,
+                                assisted=drafter is not None, custom=custom is not None)
     if custom is not None:
         loop = CustomLoop(custom, ext)
     elif drafter is not None:
         loop = SpeculativeLoop(drafter, ext)
     elif cfg.num_beams > 1:
         loop = BeamLoop(ext, return_beam_indices=bool(cfg.return_dict_in_generate))
+    elif guidance is not None:  # classifier-free guidance: the unconditional rows ride along
+        loop, inputs = GuidedLoop(ext), guidance
     else:
         loop = DecodeLoop(ext)
+    _check_constraint(state, cfg, loop, prefix_allowed_tokens_fn, drafter)
     traced = is_traced(state, cfg, inputs)
-    driver = _choose_driver(cfg, loop, traced, streamer, stop_event)
+    driver = _choose_driver(cfg, loop, traced, streamer, stop_event, prefix_allowed_tokens_fn)
     if getattr(drafter, "host_rounds", False):  # UAD: tokenizer work between rounds
         if traced:
             raise ValueError("universal assisted decoding (an assistant with another "
@@ -231,7 +281,8 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
     donate = not traced and cfg.num_beams == 1
     return Plan(loop=loop, driver=driver, donate=donate, inputs=inputs, chunk_size=chunk_size,
                 streamer=streamer, max_time=cfg.max_time, stop_event=stop_event,
-                timings=timings, bridge=getattr(assistant_model, "bridge", None))
+                timings=timings, bridge=getattr(assistant_model, "bridge", None),
+                prefix_fn=prefix_allowed_tokens_fn)
 
 
 def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
@@ -258,6 +309,10 @@ def execute(plan: Plan, params, state: DecodeState, cfg: GenerationConfig) -> Ge
                    timings=plan.timings)
     if plan.driver == "uad":
         return run_uad(plan.loop, params, state, jit_cfg, plan.inputs, plan.bridge, **options)
+    if plan.prefix_fn is not None:  # HF's per-row, per-step host function: one-step chunks
+        grow = grow_before_chunks([]) if plan.driver == "growing" else None
+        return run_chunked(plan.loop, params, state, jit_cfg, plan.inputs, chunk_size=1,
+                           prepare_chunk=prefix_fn_hook(plan.prefix_fn, grow), **options)
     if plan.driver == "growing":
         return run_chunked(plan.loop, params, state, jit_cfg, plan.inputs,
                            chunk_size=growing_chunk_size(cfg, plan.chunk_size),

@@ -39,6 +39,7 @@ from jaxgen.cache.sharding import (DATA, batch_sharding, cache_shardings, check_
                                    check_mesh, replicated)
 from jaxgen.config import GenerationConfig
 from jaxgen.config_checks import check_int
+from jaxgen.constraint_automaton import ConstraintCarry, TokenAutomaton, start_carry
 from jaxgen.stopping_strings import StopStringTables
 
 if TYPE_CHECKING:  # annotation only: the loops (a floor above) define the carry
@@ -64,6 +65,7 @@ class DecodeState:
     pad_token_id: int = dataclasses.field(metadata=dict(static=True))
     stop_tables: Optional[StopStringTables] = None  # when cfg.stop_strings is set
     spec: Optional["SpecCarry"] = None  # assisted mode, final state: draft state and stats
+    constraint: Optional[ConstraintCarry] = None  # token automaton + each row's state [B]
 
     @property
     def batch(self) -> int:
@@ -339,7 +341,8 @@ def state_shardings(state: DecodeState, mesh) -> DecodeState:
         done=rows(state.done), stop_reason=rows(state.stop_reason),
         cache=cache_shardings(state.cache, mesh), key=rows(state.key),
         stop_tables=jax.tree_util.tree_map(lambda _: whole, state.stop_tables),
-        spec=jax.tree_util.tree_map(lambda _: whole, state.spec))
+        spec=jax.tree_util.tree_map(lambda _: whole, state.spec),
+        constraint=jax.tree_util.tree_map(lambda _: whole, state.constraint))
 
 
 def shard_state(state: DecodeState, mesh) -> DecodeState:
@@ -351,7 +354,8 @@ def shard_state(state: DecodeState, mesh) -> DecodeState:
 def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                lengths=None, max_new_tokens=None, cache_dtype=jnp.float32,
                buffer_len: int | None = None, tokenizer=None, mesh=None,
-               process_local: bool = False) -> DecodeState:
+               process_local: bool = False, constraint: TokenAutomaton | None = None
+               ) -> DecodeState:
     """Builds the initial decoding state for a batch of prompts.
 
     prompts: a list of token-id lists (ragged), or a padded [B, S] array with `lengths`.
@@ -371,6 +375,9 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     order (the prompt bucket and budgets agree across processes; a single key gives global
     row i the key fold_in(key, i), as on one host). Without it every process passes the
     same global prompts.
+    constraint: a jaxgen.constraint_automaton.TokenAutomaton (e.g. from
+    jaxgen.constraint_compile.compile_constraint): every row starts at its initial state and
+    every mode masks and advances it (jaxgen.constraint_automaton).
     """
     cfg = cfg if cfg is not None else GenerationConfig()
     if not isinstance(cfg, GenerationConfig):
@@ -431,9 +438,12 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     tokens = np.full((batch, buffer_len), pad_id, np.int32)  # [B, T]
     for b, row in enumerate(rows):
         tokens[b, :len(row)] = row
+    check_constraint(constraint, vocab_size)
     if mesh is not None:
-        return _placed_state(model, cfg, mesh, process_local, key, cache_dtype, tokens,
-                             prompt_lens, budgets, bucket, pad_id, stop_tables)
+        placed = _placed_state(model, cfg, mesh, process_local, key, cache_dtype, tokens,
+                               prompt_lens, budgets, bucket, pad_id, stop_tables)
+        return placed if constraint is None else placed.replace(
+            constraint=start_carry(constraint, placed.batch))
     check_fits_memory(model, cfg, batch, buffer_len, bucket, cache_dtype)
     return DecodeState(
         tokens=jnp.asarray(tokens),
@@ -448,7 +458,21 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         prompt_bucket=bucket,
         pad_token_id=pad_id,
         stop_tables=stop_tables,
+        constraint=None if constraint is None else start_carry(constraint, batch),
     )
+
+
+def check_constraint(constraint, vocab_size: int) -> None:
+    """ValueError unless `constraint` is None or a TokenAutomaton over `vocab_size` tokens."""
+    if constraint is None:
+        return
+    if not isinstance(constraint, TokenAutomaton):
+        raise ValueError(f"`constraint` must be a jaxgen.constraint_automaton.TokenAutomaton "
+                         f"(see jaxgen.constraint_compile.compile_constraint), got "
+                         f"{type(constraint).__name__}")
+    if constraint.vocab_size != vocab_size:
+        raise ValueError(f"`constraint` was built for a vocabulary of {constraint.vocab_size} "
+                         f"tokens but the model has {vocab_size}")
 
 
 def _agree_across_processes(batch: int, longest: int, most: int) -> tuple[int, int]:

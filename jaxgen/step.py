@@ -51,10 +51,11 @@ def state_context(state, tokens: jax.Array | None = None,
 
 # ------------------------------------------------------------------------- forwards
 def prefill_tokens(model, params, tokens: jax.Array, prompt_len: jax.Array, cache,
-                   chunk: int | None = None, with_hidden: bool = False):
+                   chunk: int | None = None, with_hidden: bool = False,
+                   all_hidden: bool = False):
     """Runs a right-padded prompt block tokens [B, P] through `model`; returns (cache with
     length = prompt_len, logits [B, V] of each row's last prompt token), plus that token's
-    hidden state [B, D] when `with_hidden`.
+    hidden state [B, D] when `with_hidden` (every position's, [B, P, D], with `all_hidden`).
 
     chunk: `prefill_chunk_size`: the block runs in pieces of `chunk` positions (bounded
     activation memory for long prompts; a `lax.fori_loop` over the equal pieces, so the
@@ -73,7 +74,10 @@ def prefill_tokens(model, params, tokens: jax.Array, prompt_len: jax.Array, cach
         out = model(params, block, positions, cache, logits_index=index)
         here = (last >= begin) & (last < begin + size)  # [B, 1]
         logits = jnp.where(here, out.logits[:, 0].astype(jnp.float32), logits)  # [B, V]
-        if with_hidden:
+        if with_hidden and all_hidden:
+            hidden = jax.lax.dynamic_update_slice_in_dim(
+                hidden, out.hidden.astype(hidden.dtype), begin, axis=1)  # [B, P, D]
+        elif with_hidden:
             h = jnp.take_along_axis(out.hidden, index[:, :, None], axis=1)[:, 0]  # [B, D]
             hidden = jnp.where(here, h.astype(hidden.dtype), hidden)
         return out.cache, logits, hidden
@@ -84,7 +88,8 @@ def prefill_tokens(model, params, tokens: jax.Array, prompt_len: jax.Array, cach
     if with_hidden:
         shape = jax.eval_shape(lambda: model(params, tokens[:, :1], jnp.zeros((batch, 1),
                                              jnp.int32), cache).hidden)
-        hidden = jnp.zeros((batch, shape.shape[-1]), shape.dtype)  # [B, D]
+        width = (bucket,) if all_hidden else ()
+        hidden = jnp.zeros((batch, *width, shape.shape[-1]), shape.dtype)  # [B, (P,) D]
     full = bucket // chunk  # equal pieces; the remainder runs once after them
     if full == 1:
         cache, logits, hidden = piece(0, chunk, cache, logits, hidden)
@@ -98,12 +103,14 @@ def prefill_tokens(model, params, tokens: jax.Array, prompt_len: jax.Array, cach
     return (cache, logits, hidden) if with_hidden else (cache, logits)
 
 
-def prefill(params, state, chunk: int | None = None, with_hidden: bool = False):
+def prefill(params, state, chunk: int | None = None, with_hidden: bool = False,
+            all_hidden: bool = False):
     """The state's prompt bucket through its model: (state with the cache filled, logits
-    [B, V] of each row's last prompt token[, its hidden state [B, D] when with_hidden])."""
+    [B, V] of each row's last prompt token[, its hidden state [B, D] when with_hidden, every
+    prompt position's [B, P, D] with all_hidden too])."""
     prompt = state.tokens[:, :state.prompt_bucket]  # [B, P]
     cache, *rest = prefill_tokens(state.model, params, prompt, state.prompt_len, state.cache,
-                                  chunk, with_hidden)
+                                  chunk, with_hidden, all_hidden)
     return (state.replace(cache=cache), *rest)
 
 

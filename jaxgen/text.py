@@ -23,7 +23,9 @@ import numpy as np
 
 from jaxgen import stopping
 from jaxgen.config import GenerationConfig
+from jaxgen.constraint_compile import resolve_constraint
 from jaxgen.generate import default_config, generate, outputs_to_lists
+from jaxgen.guidance_inputs import guidance_buffer_len
 from jaxgen.state import init_state
 
 
@@ -86,7 +88,9 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                   skip_special_tokens: bool = True, logits_processor=(), stopping_criteria=(),
                   custom_generate=None, assistant_model=None, assistant_tokenizer=None,
                   streamer=None, stop_event=None, timings=None, mesh=None,
-                  **overrides: Any) -> list[str]:
+                  negative_prompt: str | Sequence[str] | None = None, regex=None,
+                  json_schema=None, choices=None, constraint=None,
+                  prefix_allowed_tokens_fn=None, **overrides: Any) -> list[str]:
     """Generates a continuation per prompt and returns only the new text of each row.
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (jaxgen.generate).
@@ -98,6 +102,18 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
 
     The tokenizer also builds the stop-string tables when cfg.stop_strings is set.
 
+    negative_prompt: classifier-free guidance's unconditional prompt (with guidance_scale
+    != 1): one text for every prompt or one per prompt, encoded like the prompts (as a
+    user turn when chat=True). Without it the unconditional rows are each prompt's last
+    token, as in Hugging Face.
+
+    regex / json_schema / choices: every row's new text matches the regex / is one of the
+    choices / is JSON valid against the schema (one of them), with EOS allowed exactly where
+    the pattern may end; compiled once per (tokenizer, pattern) into a token automaton
+    (jaxgen.constraint_compile) that greedy, sampling, beam search and assisted decoding
+    apply inside the compiled loop. constraint: a prebuilt TokenAutomaton;
+    prefix_allowed_tokens_fn: Hugging Face's host function (see jaxgen.generate).
+
     Streamers are always ended: `end()`, or `fail(exc)` when generation raised (a consumer
     on another thread then raises instead of waiting).
     Raises InvalidLogitsError (naming the prompt) when the model produced NaN / inf logits
@@ -106,7 +122,17 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
     try:
         cfg = default_config(model, cfg, **overrides)
         rows = encode_prompts(tokenizer, prompts, chat=chat)
-        state = init_state(model, rows, cfg, key, tokenizer=tokenizer, mesh=mesh)
+        negative = (None if negative_prompt is None else
+                    encode_prompts(tokenizer, negative_prompt, chat=chat))
+        constraint = resolve_constraint(model, tokenizer, regex=regex, json_schema=json_schema,
+                                        choices=choices, constraint=constraint,
+                                        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        state = init_state(model, rows, cfg, key, tokenizer=tokenizer, mesh=mesh,
+                           constraint=constraint)
+        wider = guidance_buffer_len(state, cfg, negative)
+        if wider is not None:  # the negative prompts need a longer buffer than the prompts
+            state = init_state(model, rows, cfg, key, tokenizer=tokenizer, mesh=mesh,
+                               buffer_len=wider, constraint=constraint)
     except BaseException as error:  # generate() never ran: end the streamers here
         from jaxgen.chunked import end_streamers
 
@@ -116,7 +142,9 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                    logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                    custom_generate=custom_generate, assistant_model=assistant_model,
                    streamer=streamer, stop_event=stop_event, timings=timings,
-                   tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
+                   tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
+                   negative_prompt_ids=negative,
+                   prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
     check_logits_valid(out.stop_reason, len(rows))
     outputs = outputs_to_lists(out)
     per_prompt = max(len(outputs) // len(rows), 1)  # num_return_sequences rows per prompt

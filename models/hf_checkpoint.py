@@ -31,6 +31,8 @@ import numpy as np
 
 from .checkpoint_checks import names_list, reject_unexpected, require_finite
 from .llama import Llama, LlamaConfig, checked_params, param_shapes
+from .mtp_checkpoint import read_mtp_tensors
+from .mtp_layout import mtp_shapes
 from .safetensors_io import TensorFiles, open_safetensors
 
 # Tensors HF checkpoints may carry that are not weights: the RoPE tables older Llama code
@@ -115,6 +117,8 @@ def hf_to_params(config: LlamaConfig, tensors: Mapping[str, np.ndarray], dtype=j
     where: a prefix for error messages (the folder).
     """
     expected = param_shapes(config)
+    if config.num_mtp_layers:  # the checkpoint's MTP layers (models/mtp_checkpoint.py)
+        expected["mtp"] = mtp_shapes(config, expected["layers"])
     missing: list[str] = []
     used: set[str] = set()
 
@@ -139,6 +143,9 @@ def hf_to_params(config: LlamaConfig, tensors: Mapping[str, np.ndarray], dtype=j
     if not config.tie_word_embeddings:
         head = fetch("lm_head.weight")
         params["lm_head"] = None if head is None else head.T
+    if config.num_mtp_layers:
+        params["mtp"] = read_mtp_tensors(config, fetch, set(tensors), used, expected["layers"],
+                                         where)
     prefix = f"{where}: " if where else ""
     if missing:
         raise ValueError(f"{prefix}checkpoint is missing {len(missing)} tensor(s): "
@@ -150,7 +157,8 @@ def hf_to_params(config: LlamaConfig, tensors: Mapping[str, np.ndarray], dtype=j
         used.add("lm_head.weight")
     unused = (n for n in tensors if n not in used and not IGNORED_HF_TENSORS.search(n))
     reject_unexpected(unused, allowed_extra, where,
-                      f" (the config has {config.num_layers} layer(s); does it match the weights?)")
+                      f" (the config has {config.num_layers} layer(s) and "
+                      f"{config.num_mtp_layers} MTP layer(s); does it match the weights?)")
     return checked_params(params, expected, dtype, where)
 
 

@@ -44,6 +44,10 @@ import numpy as np
 from jaxgen.cache import CACHE_KINDS, Cache, make_cache
 
 from .exit_adapter import apply_exit_adapter, exit_adapter_shapes
+from .quantize import Int8Matrix
+from .mtp import MtpLayers
+from .mtp_layout import mtp_shapes
+from .norms import rms_norm  # re-exported (models import it from here)
 
 from . import rope as rope_lib
 from .rope import freeze  # re-exported for loaders
@@ -95,6 +99,12 @@ class LlamaConfig:
     generation_defaults: tuple[tuple[str, Any], ...] = ()
     architecture: str = "LlamaForCausalLM"
     sliding_window: int | None = None  # Mistral: every layer sees keys p - W < j <= p
+    # exit layers E whose trained adapter the loader attached (params["exit_adapters"][str(E)];
+    # assistant_early_exit=E uses it), e.g. (15,) for the embedded SmolLM2
+    exit_adapter_layers: tuple[int, ...] = ()
+    # multi-token-prediction depths the checkpoint carries at layer indices num_layers + k
+    # (HF's num_mtp_layers / DeepSeek's num_nextn_predict_layers; params["mtp"], models/mtp.py)
+    num_mtp_layers: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -102,6 +112,12 @@ class LlamaConfig:
                              f"num_kv_heads={self.num_kv_heads}")
         if self.rope_scaling is not None:
             rope_lib.validate(dict(self.rope_scaling))
+        layers = tuple(self.exit_adapter_layers)
+        if not all(isinstance(e, int) and not isinstance(e, bool) and 1 <= e < self.num_layers
+                   for e in layers):
+            raise ValueError(f"exit_adapter_layers={list(layers)} must hold exit layers in "
+                             f"[1, num_layers={self.num_layers})")
+        object.__setattr__(self, "exit_adapter_layers", tuple(sorted(set(layers))))
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -166,6 +182,8 @@ class LlamaConfig:
             generation_defaults=freeze(gen),
             architecture=arch,
             sliding_window=window,
+            num_mtp_layers=int(config.get("num_mtp_layers")
+                               or config.get("num_nextn_predict_layers") or 0),
         )
 
 
@@ -205,14 +223,6 @@ def _as_id_tuple(value) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return (int(value),)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF LlamaRMSNorm: normalize in fp32, cast back to x's dtype, then scale by weight."""
-    x32 = x.astype(jnp.float32)  # [..., D]
-    variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [..., 1]
-    normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)  # [..., D]
-    return weight * normed
 
 
 def _rotate_half(x: jax.Array) -> jax.Array:
@@ -301,6 +311,13 @@ class Llama:
         if "exit_adapters" in params:
             self._check_exit_adapters(params["exit_adapters"])
             params = {k: v for k, v in params.items() if k != "exit_adapters"}
+        if "mtp" in params:  # the checkpoint's MTP layers (models/mtp.py)
+            self._check_mtp(params["mtp"])
+            params = {k: v for k, v in params.items() if k != "mtp"}
+        elif self.config.num_mtp_layers:
+            raise ValueError(f"params have no 'mtp' entry, but the model has num_mtp_layers="
+                             f"{self.config.num_mtp_layers}: add its MTP layers' weights "
+                             f"(jaxgen.models.mtp.init_mtp_params, or load the checkpoint)")
         _check_keys(params, expected, optional, "params")
         for key, shape in {**expected, **optional}.items():
             if key == "layers" or key not in params:
@@ -326,6 +343,24 @@ class Llama:
             _check_keys(layer, unstacked, {}, where)
             for key, shape in unstacked.items():
                 _check_shape(layer[key], shape, f"{where}[{key!r}]")
+
+    def _check_mtp(self, mtp: Any) -> None:
+        """params["mtp"]: the MTP depths' weights, stacked over config.num_mtp_layers."""
+        depths = self.config.num_mtp_layers
+        if depths < 1:
+            raise ValueError("params carry 'mtp' (MTP layers) but the model's config has "
+                             "num_mtp_layers=0; set it to the number of MTP depths")
+        shapes = mtp_shapes(self.config, _expected_shapes(self.config)["layers"])
+        for where, tree, expected in (("params['mtp']", mtp, shapes),
+                                      ("params['mtp']['layers']", None, shapes["layers"])):
+            tree = mtp.get("layers") if tree is None else tree
+            if not isinstance(tree, Mapping):
+                raise ValueError(f"{where} is a {type(tree).__name__}, expected a dict with "
+                                 f"keys {sorted(expected)}")
+            _check_keys(tree, expected, {}, where)
+            for key, shape in expected.items():
+                if key != "layers":
+                    _check_shape(tree[key], shape, f"{where}[{key!r}]")
 
     def _check_exit_adapters(self, adapters: Any) -> None:
         """params["exit_adapters"]: {str(E): adapter} with 1 <= E < num_layers."""
@@ -404,6 +439,11 @@ class Llama:
         (x, cache), _ = jax.lax.scan(layer_step, (x, cache), (layers, layer_ids))
         return x, cache
 
+    def mtp_layers(self) -> MtpLayers | None:
+        """The checkpoint's MTP layers (models/mtp.py; weights in params["mtp"]), or None when
+        config.num_mtp_layers is 0. use_mtp=True drafts with them."""
+        return MtpLayers(self) if self.config.num_mtp_layers > 0 else None
+
     def exit_head(self, params: dict, hidden: jax.Array, layer: int) -> jax.Array:
         """Early-exit logits from layer `layer`'s hidden [B, S, D]: the exit adapter of that
         layer when params carry one (params["exit_adapters"][str(layer)]), then the shared
@@ -419,6 +459,8 @@ class Llama:
         if self.config.tie_word_embeddings and "lm_head" not in params:
             return jnp.einsum("bsd,vd->bsv", normed, params["embed"],
                               preferred_element_type=jnp.float32)  # [B, S, V]
+        if isinstance(params["lm_head"], Int8Matrix):  # load(weights="int8")
+            return (normed @ params["lm_head"]).astype(jnp.float32)  # [B, S, V]
         return jnp.einsum("bsd,dv->bsv", normed, params["lm_head"],
                           preferred_element_type=jnp.float32)  # [B, S, V]
 

@@ -15,6 +15,7 @@ target's cache yet; the cache holds positions < P):
               x += swiglu(rms(x) * mlp_norm)
     g      = (rms(x) * final_norm) @ post_projection             [Dt] fed back as the next h
     logits = target.head(g)                                      the target's final norm + head
+             (with a draft vocabulary: only its rows, -inf elsewhere, models/draft_vocab.py)
 
 Every step of a round queries at the same position P (Hugging Face's single-position drafting):
 the drafts are not in the target's cache, so they reach the drafter through e and g only.
@@ -39,6 +40,12 @@ target's hidden size, head dim and vocabulary):
       w_down         [N, F, D]
     final_norm       [D]
     post_projection  [D, Dt]
+    draft_head       [Dt, V_d]        optional, with a draft vocabulary: the target's head rows
+                                      for its V_d tokens, contiguous (drafter_with_draft_head);
+                                      without it the rows are read from the target's params
+
+A pruned draft vocabulary (config.draft_vocab, sorted token ids) makes the head cost V_d / V
+of the target's: q is zero outside it, so verification stays exact (as for DraftVocabModel).
 
 Example (tests/test_mtp_assistant.py runs it):
     >>> from jaxgen.models import Llama, LlamaConfig
@@ -87,7 +94,7 @@ TARGET_FIELDS = {
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "max_position_embeddings")
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "MtpDrafterConfig", "MtpDrafterModel", "ROPE_FIELDS",
-           "TARGET_FIELDS", "param_shapes"]
+           "TARGET_FIELDS", "drafter_with_draft_head", "param_shapes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +115,7 @@ class MtpDrafterConfig:
     kv_layers: tuple[int, ...]  # per drafter layer: the target layer whose cached K/V it reads
     rms_norm_eps: float = 1e-6
     q_norm: bool = False  # RMSNorm over head_dim on the queries (for Qwen3-style targets)
+    draft_vocab: tuple[int, ...] = ()  # sorted token ids the drafter proposes; () = all
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -126,6 +134,13 @@ class MtpDrafterConfig:
                              f"num_layers={self.num_layers} target layer indices in [0, "
                              f"target_num_layers={self.target_num_layers})")
         object.__setattr__(self, "kv_layers", layers)
+        vocab = tuple(int(t) for t in self.draft_vocab)
+        if vocab and (any(b <= a for a, b in zip(vocab, vocab[1:])) or vocab[0] < 0
+                      or vocab[-1] >= self.target_vocab_size):
+            raise ValueError(f"MTP drafter config: draft_vocab must be sorted, distinct token "
+                             f"ids in [0, target_vocab_size={self.target_vocab_size}), got "
+                             f"{len(vocab)} ids")
+        object.__setattr__(self, "draft_vocab", vocab)
 
     @classmethod
     def for_target(cls, target_config: Any, *, hidden_size: int, intermediate_size: int,
@@ -180,6 +195,8 @@ class MtpDrafterModel:
         if not isinstance(params, Mapping):
             raise ValueError(f"MTP drafter params is a {type(params).__name__}, expected a dict "
                              f"with keys {sorted(expected)}")
+        if self.config.draft_vocab and "draft_head" in params:
+            expected["draft_head"] = (self.config.target_hidden_size, len(self.config.draft_vocab))
         _check_tree(params, expected, "params")
 
     def check_target(self, target: Any) -> None:
@@ -212,44 +229,92 @@ class MtpDrafterModel:
         float32, g [B, Dt] in hidden's dtype: the next step's hidden).
         """
         cfg = self.config
+        g = self.project(params, target, target_params, token[:, None], hidden[:, None],
+                         position[:, None], cache)  # [B, 1, Dt]
+        g = g.astype(hidden.dtype)
+        if cfg.draft_vocab:
+            logits = self.vocab_logits(params, target, target_params, g[:, 0])  # [B, V]
+        else:
+            logits = target.head(target_params, g)[:, 0]  # [B, V] float32
+        return logits, g[:, 0]
+
+    def project(self, params: dict, target: Any, target_params: Any, tokens: jax.Array,
+                hidden: jax.Array, positions: jax.Array, cache: Any) -> jax.Array:
+        """The drafter's state g before the head, for S queries per row at once (training
+        runs every position of a sequence in one call; a draft step is S = 1).
+
+        tokens int32 [B, S], hidden [B, S, Dt], positions int32 [B, S] (query s reads the
+        cached keys at positions < positions[b, s]). Returns g [B, S, Dt] in params' dtype.
+        """
+        cfg = self.config
         tcfg = target.config
         eps = cfg.rms_norm_eps
         dtype = params["pre_projection"].dtype
-        embedded = target.embed(target_params, token[:, None]).astype(dtype)  # [B, 1, Dt]
-        state = hidden[:, None].astype(dtype)  # [B, 1, Dt]
+        embedded = target.embed(target_params, tokens).astype(dtype)  # [B, S, Dt]
+        state = hidden.astype(dtype)  # [B, S, Dt]
         x = jnp.concatenate([rms_norm(embedded, params["embed_norm"], eps),
-                             rms_norm(state, params["hidden_norm"], eps)], axis=-1)  # [B,1,2Dt]
-        x = x @ params["pre_projection"]  # [B, 1, D]
-        positions = position[:, None].astype(jnp.int32)  # [B, 1]
+                             rms_norm(state, params["hidden_norm"], eps)], axis=-1)  # [B,S,2Dt]
+        x = x @ params["pre_projection"]  # [B, S, D]
+        positions = positions.astype(jnp.int32)  # [B, S]
         cos, sin = rope_lib.cos_sin(positions, cfg.target_head_dim, tcfg.rope_theta,
                                     tcfg.rope_scaling, tcfg.max_position_embeddings,
-                                    dtype)  # [B, 1, Dh] each
+                                    dtype)  # [B, S, Dh] each
         window = getattr(tcfg, "sliding_window", None)
         for n, target_layer in enumerate(cfg.kv_layers):
             p = jax.tree_util.tree_map(lambda a: a[n], params["layers"])
             x = self._block(p, target_layer, x, cos, sin, positions - 1, cache, window)
-        g = rms_norm(x, params["final_norm"], eps) @ params["post_projection"]  # [B, 1, Dt]
-        g = g.astype(hidden.dtype)
-        logits = target.head(target_params, g)[:, 0]  # [B, V] float32
-        return logits, g[:, 0]
+        return rms_norm(x, params["final_norm"], eps) @ params["post_projection"]  # [B, S, Dt]
+
+    def vocab_logits(self, params: dict, target: Any, target_params: Any,
+                     g: jax.Array) -> jax.Array:
+        """The target's final norm + head on the draft vocabulary's rows only: g [..., Dt] ->
+        logits [..., V] float32, -inf outside config.draft_vocab."""
+        from .draft_vocab import restricted_logits
+
+        vocab = self.config.draft_vocab
+        head = {"final_norm": target_params["final_norm"]}
+        if "draft_head" in params:
+            head["draft_head"] = params["draft_head"]
+        else:
+            head.update({k: target_params[k] for k in ("lm_head", "embed") if k in target_params})
+        small = restricted_logits(target, head, g, vocab)  # [..., V_d]
+        full = jnp.full(small.shape[:-1] + (self.config.target_vocab_size,), -jnp.inf,
+                        jnp.float32)  # [..., V]
+        return full.at[..., jnp.asarray(vocab, jnp.int32)].set(small)  # [..., V]
 
     def _block(self, p: dict, target_layer: int, x: jax.Array, cos: jax.Array, sin: jax.Array,
                visible_to: jax.Array, cache: Any, window: int | None) -> jax.Array:
         """One drafter layer: queries over the target's cached K/V of `target_layer` (keys at
-        positions <= visible_to [B, 1]), then the SwiGLU MLP; both residual."""
+        positions <= visible_to [B, S]), then the SwiGLU MLP; both residual."""
         cfg = self.config
-        batch = x.shape[0]
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)  # [B, 1, D]
-        q = (h @ p["wq"]).reshape(batch, 1, cfg.num_heads, cfg.target_head_dim)  # [B,1,H,Dh]
+        batch, seq = x.shape[:2]
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)  # [B, S, D]
+        q = (h @ p["wq"]).reshape(batch, seq, cfg.num_heads, cfg.target_head_dim)  # [B,S,H,Dh]
         if cfg.q_norm:
-            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)  # [B, 1, H, Dh]
-        q = apply_rope(q, cos, sin)  # [B, 1, H, Dh]
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)  # [B, S, H, Dh]
+        q = apply_rope(q, cos, sin)  # [B, S, H, Dh]
         attn = cache.attend(target_layer, q, visible_to, scale=cfg.target_head_dim ** -0.5,
-                            window=window)  # [B, 1, H, Dh]
-        attn = attn.astype(x.dtype).reshape(batch, 1, cfg.num_heads * cfg.target_head_dim)
-        x = x + attn @ p["wo"]  # [B, 1, D]
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)  # [B, 1, D]
-        return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]  # [B, 1, D]
+                            window=window)  # [B, S, H, Dh]
+        attn = attn.astype(x.dtype).reshape(batch, seq, cfg.num_heads * cfg.target_head_dim)
+        x = x + attn @ p["wo"]  # [B, S, D]
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)  # [B, S, D]
+        return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]  # [B, S, D]
+
+
+def drafter_with_draft_head(model: MtpDrafterModel, params: dict, target_params: dict) -> dict:
+    """params plus "draft_head" [Dt, V_d]: the target's head rows for the draft vocabulary
+    as one contiguous matrix (params unchanged without a draft vocabulary)."""
+    import numpy as np
+
+    vocab = np.asarray(model.config.draft_vocab, np.int32)
+    if not len(vocab):
+        return params
+    if "lm_head" in target_params:
+        head = np.asarray(target_params["lm_head"])[:, vocab]  # [Dt, V_d]
+    else:
+        head = np.asarray(target_params["embed"])[vocab].T  # [Dt, V_d]
+    dtype = params["pre_projection"].dtype
+    return {**params, "draft_head": jnp.asarray(np.ascontiguousarray(head), dtype)}
 
 
 def param_shapes(config: MtpDrafterConfig) -> dict:

@@ -6,7 +6,8 @@
                           "num_attention_heads", "rms_norm_eps", "q_norm",      its own
                           "target": {"hidden_size", "num_attention_heads",
                                      "num_key_value_heads", "head_dim", "vocab_size",
-                                     "num_hidden_layers", "kv_layers"}}  the target it reads
+                                     "num_hidden_layers", "kv_layers"},  the target it reads
+                          "draft_vocab": [token ids]}   optional: its pruned draft vocabulary
     model.safetensors    HF names, Linear weights as [out, in]:
                            embed_norm.weight [Dt]          hidden_norm.weight [Dt]
                            pre_projection.weight [D, 2 Dt] (input: embedding, then hidden)
@@ -15,6 +16,8 @@
                            .post_attention_layernorm.weight, .mlp.gate_proj.weight,
                            .mlp.up_proj.weight, .mlp.down_proj.weight   (the Llama names)
                            norm.weight [D]                 post_projection.weight [Dt, D]
+                         (a draft vocabulary's "draft_head" is not stored: it is the target's
+                         head rows, rebuilt by mtp_drafter.drafter_with_draft_head)
 
 `jaxgen.models.load(folder)` dispatches here on the model_type. Loading is strict, like the
 model loaders: a missing or unexpected tensor, a wrong shape or a non-finite weight is a
@@ -65,9 +68,12 @@ def mtp_config_dict(config: MtpDrafterConfig) -> dict:
     """config.json's content for a drafter config."""
     target = {hf: getattr(config, mine) for mine, (_, hf) in TARGET_FIELDS.items()}
     target["kv_layers"] = list(config.kv_layers)
-    return {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE],
+    data = {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE],
             **{hf: getattr(config, mine) for mine, hf in OWN_FIELDS.items()},
             "rms_norm_eps": config.rms_norm_eps, "q_norm": config.q_norm, "target": target}
+    if config.draft_vocab:
+        data["draft_vocab"] = list(config.draft_vocab)
+    return data
 
 
 def config_from_dict(data: dict, where: str = "config.json") -> MtpDrafterConfig:
@@ -92,10 +98,14 @@ def config_from_dict(data: dict, where: str = "config.json") -> MtpDrafterConfig
     if not isinstance(target.get("kv_layers"), list):
         raise ValueError(f"{where}: 'target.kv_layers' must be a list of target layer indices "
                          f"(one per drafter layer)")
+    vocab = data.get("draft_vocab", [])
+    if not isinstance(vocab, list) or not all(isinstance(t, int) for t in vocab):
+        raise ValueError(f"{where}: 'draft_vocab' must be a list of token ids")
     try:
         return MtpDrafterConfig(kv_layers=tuple(target["kv_layers"]),
                                 rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-                                q_norm=bool(data.get("q_norm", False)), **fields)
+                                q_norm=bool(data.get("q_norm", False)),
+                                draft_vocab=tuple(vocab), **fields)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 

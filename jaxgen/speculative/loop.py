@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.config import GenerationConfig
+from jaxgen.constraint_automaton import advance, advance_path, mask_path
 from jaxgen.contracts import Drafter, DraftRequest, DraftState, Proposal
 from jaxgen.decode import choose_and_write
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
@@ -101,11 +102,12 @@ def _bucket_index(k_row: jax.Array, K: int) -> jax.Array:
 
 
 def _verify_forward(params, state: DecodeState, work: jax.Array, drafts: jax.Array, cfg,
-                    ext: Extensions, drafter: Drafter, draft_state):
+                    ext: Extensions, drafter: Drafter, draft_state, path=None):
     """Target forward over [last token, drafts] (drafts [B, k], k static) and the processed
     scores at every position; a drafter that already ran part of it (`verify`, shared
-    compute) finishes it instead. Returns (p_scores [B, k+1, V], raw [B, k+1, V], hidden
-    [B, k+1, D], cache)."""
+    compute) finishes it instead. path: int32 [B, k+1] the constraint automaton's state at
+    each position (state.constraint), which masks the raw logits before the processors.
+    Returns (p_scores [B, k+1, V], raw [B, k+1, V], hidden [B, k+1, D], cache)."""
     last = state.length - 1  # [B]
     last_token = jnp.take_along_axis(state.tokens, last[:, None], axis=1)  # [B, 1]
     tokens = jnp.concatenate([last_token, drafts], axis=1)  # [B, k+1]
@@ -116,7 +118,8 @@ def _verify_forward(params, state: DecodeState, work: jax.Array, drafts: jax.Arr
     else:
         out = state.model(params, tokens, positions, state.cache)
     raw = out.logits.astype(jnp.float32)  # [B, k+1, V]
-    scores = process_positions(cfg, raw, work, state.length, state, ext.logits_processor)
+    allowed = mask_path(state.constraint, raw, path, cfg.eos_ids)  # [B, k+1, V]
+    scores = process_positions(cfg, allowed, work, state.length, state, ext.logits_processor)
     return scores, raw, out.hidden, out.cache
 
 
@@ -144,10 +147,12 @@ def _round_keys(state: DecodeState):
 
 
 def propose_next(params, inputs: AssistInputs, state: DecodeState, carry: SpecCarry,
-                 cfg: GenerationConfig, drafter: Drafter, ext: Extensions = NO_EXTENSIONS
-                 ) -> tuple[DecodeState, SpecCarry]:
+                 cfg: GenerationConfig, drafter: Drafter, ext: Extensions = NO_EXTENSIONS,
+                 verified=None) -> tuple[DecodeState, SpecCarry]:
     """Drafts for the round that starts from `state`; stored as `carry.pending`. A drafter
-    that writes the target's cache returns it: the state carries it on."""
+    that writes the target's cache returns it: the state carries it on. verified: (hidden
+    states [B, W, D], position of entry 0 [B]) of the forward that just ran, handed to a
+    drafter that reads "hidden_states"."""
     K = drafter.num_tokens
     width = state.tokens.shape[1]
     live = ~state.done  # [B]
@@ -161,6 +166,10 @@ def propose_next(params, inputs: AssistInputs, state: DecodeState, carry: SpecCa
         is not None, threshold=threshold,
         target_params=params if "params" in drafter.reads else None,
         hidden=carry.hidden if "hidden" in drafter.reads else None)
+    if "hidden_states" in drafter.reads:
+        hidden_states, hidden_start = verified
+        request = dataclasses.replace(request, hidden_states=hidden_states,
+                                      hidden_start=hidden_start)
     proposal, draft_state, cache = drafter.propose(inputs.draft_params, carry.draft_state,
                                                    request)
     k_row = jnp.where(live, jnp.minimum(proposal.k_row, k_want), 0)  # [B]
@@ -186,8 +195,11 @@ def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: S
     drafts = proposal.drafts[:, :k]  # [B, k]
     q_scores = None if proposal.q_scores is None else proposal.q_scores[:, :k]  # [B, k, V]
 
+    constraint = state.constraint  # drafts that leave the automaton get p = 0: rejected
+    path = None if constraint is None else advance_path(constraint.automaton, constraint.state,
+                                                        drafts)  # [B, k+1]
     p_scores, raw, hidden, cache = _verify_forward(params, state, proposal.tokens, drafts, cfg,
-                                                   ext, drafter, carry.draft_state)
+                                                   ext, drafter, carry.draft_state, path)
     if cfg.do_sample:
         uniforms = jax.vmap(lambda key: jax.random.uniform(key, (K,)))(tag(1))[:, :k]  # [B, k]
         n, fix = verify.accept_sample(drafts, k_row, p_scores, q_scores, uniforms, tag(2),
@@ -212,6 +224,9 @@ def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: S
     newest = jnp.maximum(emitted - 1, 0)[:, None]  # [B, 1] the last emitted position
     at_last = lambda a: jnp.take_along_axis(a, newest, axis=1)[:, 0]  # noqa: E731  [B]
     done, reason = mark_done(state.done, state.stop_reason, flags.map(at_last), live)
+    if constraint is not None:  # the state before the last emitted token (out[:n] = drafts)
+        moved = advance(constraint.automaton, at_last(path), at_last(out))  # [B]
+        constraint = constraint.replace(state=jnp.where(live, moved, constraint.state))
     step = length[:, None] - state.prompt_len[:, None] + jnp.arange(k + 1)[None, :]  # [B, k+1]
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(p_scores, axis=-1), out[..., None],
                                    axis=-1)[..., 0]  # [B, k+1]
@@ -250,10 +265,11 @@ def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: S
     if schedule == "heuristic" and drafter.scheduled:
         stats = dataclasses.replace(stats, num_assistant_tokens=k_sched)
     state = state.replace(tokens=tokens, length=new_length, done=done, stop_reason=reason,
-                          cache=cache)
+                          cache=cache, constraint=constraint)
     carry = dataclasses.replace(carry, draft_state=draft_state, k_sched=k_sched, stats=stats,
                                 hidden=new_hidden)
-    state, carry = propose_next(params, inputs, state, carry, cfg, drafter, ext)
+    verified = (hidden, length - 1) if "hidden_states" in drafter.reads else None
+    state, carry = propose_next(params, inputs, state, carry, cfg, drafter, ext, verified)
     return state, carry, record
 
 
@@ -266,8 +282,11 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
     K = drafter.num_tokens
     batch = state.batch
     reads_hidden = "hidden" in drafter.reads
+    reads_all = "hidden_states" in drafter.reads  # every prompt position's (MTP layers)
     record = StepRecord.for_state(state, cfg)
-    state, logits, *hidden = prefill(params, state, cfg.prefill_chunk_size, reads_hidden)
+    state, logits, *hidden = prefill(params, state, cfg.prefill_chunk_size,
+                                     reads_hidden or reads_all, reads_all)
+    verified = (hidden[0], jnp.zeros((batch,), jnp.int32)) if reads_all else None  # [B, P, D]
     hidden = hidden[0] if reads_hidden else None  # [B, D] the prompt's last hidden state
     state, record = choose_and_write(cfg, state, logits, record, 0, ext)
     draft_state = drafter.init(inputs.draft_params, state,
@@ -284,7 +303,7 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
         stats = dataclasses.replace(stats, draft_forwards=jnp.int32(1))
     carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats, pending=None,
                       hidden=hidden)
-    state, carry = propose_next(params, inputs, state, carry, cfg, drafter, ext)
+    state, carry = propose_next(params, inputs, state, carry, cfg, drafter, ext, verified)
     return state, carry, record
 
 

@@ -68,17 +68,20 @@ def pick(count: int, batch: int, seed: int, step: int) -> np.ndarray:
     return np.array([epoch_order(count, seed, e)[o] for e, o in zip(epochs, offsets)])
 
 
-def sequence_batch(data: DistillSet, step: int, batch: int, length: int, seed: int = 0) -> dict:
+def sequence_batch(data: DistillSet, step: int, batch: int, length: int, seed: int = 0,
+                   layers: tuple[int, ...] = ()) -> dict:
     """{"tokens" int32 [B, T], "hidden" fp16 [B, T, D], "mask" f32 [B, T]}: one window of
     `length` tokens per sequence (a random one, from (seed, step), when it is longer), right
     padded. mask[b, t] = 1 where position t predicts an answer token (the teacher's
-    distribution is the head on hidden[b, t])."""
+    distribution is the head on hidden[b, t]). With `layers`, also "layer_{E}" fp16
+    [B, T, D]: the hidden state after layers [0, E) in the same windows."""
     rows = pick(data.num_sequences, batch, seed, step)
     rng = np.random.default_rng([seed, 1 << 20, step])
     dim = data.final.shape[-1]
     tokens = np.zeros((batch, length), np.int32)  # [B, T]
     hidden = np.zeros((batch, length, dim), np.float16)  # [B, T, D]
     mask = np.zeros((batch, length), np.float32)  # [B, T]
+    states = {e: np.zeros((batch, length, dim), np.float16) for e in layers}  # {E: [B, T, D]}
     for b, row in enumerate(rows):
         start, end = int(data.starts[row]), int(data.starts[row + 1])
         first_answer = start + int(data.prompt_lens[row]) - 1
@@ -88,9 +91,12 @@ def sequence_batch(data: DistillSet, step: int, batch: int, length: int, seed: i
         width = stop - start
         tokens[b, :width] = data.tokens[start:stop]
         hidden[b, :width] = data.final[start:stop]
+        for e, array in states.items():
+            array[b, :width] = data.layers[e][start:stop]
         t = np.arange(start, stop)
         mask[b, :width] = (t >= first_answer) & (t < end - 1)
-    return {"tokens": tokens, "hidden": hidden, "mask": mask}
+    return {"tokens": tokens, "hidden": hidden, "mask": mask,
+            **{f"layer_{e}": array for e, array in states.items()}}
 
 
 def position_batch(data: DistillSet, positions: np.ndarray, step: int, batch: int,

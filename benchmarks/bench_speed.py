@@ -1,0 +1,321 @@
+"""Decode speed against the floors and the peers: jaxgen as `load()` returns it (stacked layers),
+after `unstack_layers`, with int8 weights (`load(weights="int8")`), transformers (torch CPU,
+fp32, same weights) and llama.cpp (llama-cpp-python, when installed: the shipped Q4_1 GGUF and
+an F32 GGUF written from the same weights), batch 1 and 8, plus a per-piece profile of one
+decode step. Everything in one run; medians of repeats; ratios within the run.
+
+    python benchmarks/bench_speed.py [--new-tokens 128] [--repeats 5] [--batches 1 8]
+    python benchmarks/bench_speed.py --profile-only      # the per-piece breakdown only
+
+Floors: bandwidth floor = bytes of weights read per decode step / measured bandwidth (a
+jitted fp32 matrix-vector product over 512 MB, as bench_generate.py); compute floor = 2 x
+matmul parameters x batch / measured fp32 matmul FLOP/s (a 2048^3 jitted matmul).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxgen
+from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
+from jaxgen.models.quantize import quantize_params
+from jaxgen.step import choose, forward_last, state_context
+
+from bench_generate import measure_bandwidth, prompts_of
+from report_table import table_header, table_row
+
+
+def measure_matmul_flops(repeats: int = 5) -> float:
+    """FLOP/s of a jitted fp32 2048 x 2048 x 2048 matmul (the best of `repeats`)."""
+    a = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    mm(a).block_until_ready()
+    best = min(_timed(lambda: mm(a).block_until_ready()) for _ in range(repeats))
+    return 2 * 2048 ** 3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def step_bytes(model, params) -> int:
+    """Bytes of weights a decode step reads: every layer matrix and norm, the head, one row
+    of the embeddings."""
+    leaves = jax.tree_util.tree_leaves(params["layers"])
+    head = params.get("lm_head", params["embed"])
+    head_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(head))
+    return sum(leaf.nbytes for leaf in leaves) + head_bytes + params["final_norm"].nbytes
+
+
+def matmul_params(model) -> int:
+    cfg = model.config
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (2 * qd + 2 * kd) + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size
+
+
+# --------------------------------------------------------------------------- systems
+def jaxgen_ms_per_token(model, params, prompts, new_tokens, repeats) -> tuple[float, float]:
+    """(median seconds per decode step over the whole call, first-call compile seconds)."""
+    cfg = jaxgen.GenerationConfig(max_new_tokens=new_tokens, pad_token_id=0)  # no EOS
+    run = lambda: jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg),  # noqa: E731
+                                  cfg).sequences.block_until_ready()
+    first = _timed(run)
+    times = [_timed(run) for _ in range(repeats)]
+    return float(np.median(times)) / new_tokens, first - float(np.median(times))
+
+
+def transformers_ms_per_token(hf, prompts, new_tokens, repeats) -> float:
+    import torch
+
+    ids = torch.tensor(prompts)
+    hf.generation_config.eos_token_id = None
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        hf.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        times = [_timed(lambda: hf.generate(ids, **kwargs)) for _ in range(repeats)]
+    return float(np.median(times)) / new_tokens
+
+
+def write_f32_gguf(source: str, target: str) -> str:
+    """The shipped GGUF with every tensor dequantized to F32 (same metadata)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"]
+    arch = bytes(arch.parts[arch.data[0]]).decode()
+    writer = gguf.GGUFWriter(target, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            values = [bytes(field.parts[i]).decode() if sub == gguf.GGUFValueType.STRING
+                      else field.parts[i].tolist()[0] for i in field.data]
+            writer.add_array(field.name, values)
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(field.name, bytes(field.parts[field.data[0]]).decode())
+        else:
+            writer.add_key_value(field.name, field.parts[field.data[0]].tolist()[0], kind)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, values.reshape(tuple(reversed(
+            [int(d) for d in tensor.shape]))), raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def llama_cpp_ms_per_token(path, prompt, new_tokens, repeats, threads) -> float:
+    """Median seconds per token of llama.cpp greedy decoding (EOS ignored), batch 1."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=len(prompt) + new_tokens + 8, n_threads=threads,
+                n_batch=64, verbose=False)
+
+    def run():
+        llm.reset()
+        for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0), start=1):
+            if count == new_tokens:
+                break
+
+    run()
+    return float(np.median([_timed(run) for _ in range(repeats)])) / new_tokens
+
+
+# --------------------------------------------------------------------------- profile
+def profile_pieces(model, params, batch: int, steps: int = 32, repeats: int = 5) -> dict:
+    """Milliseconds per decode step of each piece, each run `steps` times inside one jitted
+    fori_loop (a data dependence keeps every iteration): the whole step, the forward
+    (layers + head), the layers, the head, the weight matmuls alone, the cache write +
+    attention, and choose (processors + argmax) with the log-probabilities."""
+    cfg = model.config
+    context = 96
+    cache = model.init_cache(batch, context + steps + 1)
+    tokens = jnp.ones((batch, context + steps + 1), jnp.int32)
+    length = jnp.full((batch,), context, jnp.int32)
+    x0 = jnp.ones((batch, 1, cfg.hidden_size), jnp.float32) * 0.01
+    gcfg = jaxgen.GenerationConfig(max_new_tokens=steps)
+    layers = params["layers"]
+    per_layer = layers if isinstance(layers, (list, tuple)) else [
+        jax.tree_util.tree_map(lambda a, i=i: a[i], layers) for i in range(cfg.num_layers)]
+
+    def loop(body, carry):
+        return jax.jit(lambda p, c: jax.lax.fori_loop(0, steps, lambda i, c: body(p, i, c), c))
+
+    def forward(p, i, c):
+        cache, toks = c
+        logits, cache = forward_last(model, p, toks, length + i, cache)
+        return cache, toks.at[:, 0].set(jnp.argmax(logits, -1).astype(jnp.int32))
+
+    def step(p, i, c):
+        cache, toks = c
+        logits, cache = forward_last(model, p, toks, length + i, cache)
+        ctx = state_context(_FakeState(toks, length + i))
+        scores, chosen = choose(gcfg, logits, ctx, None)
+        logp = jax.nn.log_softmax(scores, -1)[jnp.arange(batch), chosen]
+        return cache, toks.at[:, 0].set(chosen + (logp > 1e9).astype(jnp.int32))
+
+    def layers_only(p, i, c):
+        cache, x = c
+        pos = (length + i)[:, None]
+        x, cache = model.run_layers(p, x, pos, cache, 0, cfg.num_layers)
+        return cache, x * 0.5
+
+    def head_only(p, i, x):
+        logits = model.head(p, x)
+        return x + logits[:, :, :cfg.hidden_size] * 1e-9
+
+    def matmuls_only(p, i, x):
+        h = x[:, 0]
+        for lp in p:
+            for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+                w = lp[key]
+                k = w.shape[0]
+                h = h + jnp.sum(jnp.pad(h, ((0, 0), (0, max(k - h.shape[1], 0))))[:, :k] @ w
+                                ) * 1e-9
+        return h[:, None]
+
+    def attend_only(p, i, c):
+        cache, x = c
+        pos = (length + i)[:, None]
+        q = jnp.broadcast_to(x[:, :, :1, None], (batch, 1, cfg.num_heads, cfg.head_dim))
+        kv = q[:, :, :cfg.num_kv_heads]
+        for layer in range(cfg.num_layers):
+            out, cache = cache.update_attend(layer, q, kv, kv, pos, scale=0.125)
+            q = q + out * 1e-3
+        return cache, x + q[:, :, :1, 0] * 1e-3
+
+    def choose_only(p, i, c):
+        logits, toks = c
+        ctx = state_context(_FakeState(toks, length + i))
+        scores, chosen = choose(gcfg, logits, ctx, None)
+        logp = jax.nn.log_softmax(scores, -1)[jnp.arange(batch), chosen]
+        return logits + logp[:, None] * 1e-9, toks.at[:, 0].set(chosen)
+
+    logits0 = jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size))
+    pieces = {
+        "step (forward + choose)": (step, params, (cache, tokens)),
+        "forward (layers + head)": (forward, params, (cache, tokens)),
+        "layers": (layers_only, params, (cache, x0)),
+        "head (norm + 49152x576)": (head_only, params, x0),
+        "weight matmuls only": (matmuls_only, per_layer, x0),
+        "cache write + attention": (attend_only, params, (cache, x0)),
+        "choose + logprobs": (choose_only, params, (logits0, tokens)),
+    }
+    out = {}
+    for name, (body, p, carry) in pieces.items():
+        fn = loop(body, carry)
+        jax.block_until_ready(fn(p, carry))
+        times = [_timed(lambda: jax.block_until_ready(fn(p, carry))) for _ in range(repeats)]
+        out[name] = float(np.median(times)) / steps * 1e3
+    return out
+
+
+class _FakeState:
+    """The fields state_context reads."""
+
+    def __init__(self, tokens, length):
+        self.tokens, self.length = tokens, length
+        self.prompt_len = jnp.zeros_like(length)
+        self.max_new = jnp.full_like(length, 1 << 20)
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--profile-only", action="store_true")
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--layouts", default="0123",
+                        help="which jaxgen rows: 0 stacked, 1 unstacked, 2 int8, 3 int8 unstacked")
+    args = parser.parse_args()
+
+    model, stacked, tokenizer = load(DEFAULT_MODEL)
+    unstacked = unstack_layers(model, stacked)
+    int8 = quantize_params(model.config, stacked)
+    layouts = {"jaxgen load() (stacked)": stacked, "jaxgen unstack_layers": unstacked,
+               "jaxgen int8 (stacked)": int8, "jaxgen int8 unstacked":
+               quantize_params(model.config, unstacked)}
+    layouts = {name: p for index, (name, p) in enumerate(layouts.items())
+               if str(index) in args.layouts}
+    bandwidth = measure_bandwidth()
+    flops = measure_matmul_flops()
+    fp32_bytes = step_bytes(model, stacked)
+    print(f"\nSmolLM2-135M-Instruct, greedy, {args.prompt_tokens}-token prompt, "
+          f"{args.new_tokens} new tokens; bandwidth {bandwidth:.1f} GB/s, fp32 matmul "
+          f"{flops / 1e9:.0f} GFLOP/s; weights read per step: fp32 {fp32_bytes / 1e6:.0f} MB, "
+          f"int8 {step_bytes(model, int8) / 1e6:.0f} MB; jax {jax.__version__}\n")
+
+    if not args.no_profile:
+        for batch in args.batches:
+            floor = fp32_bytes / (bandwidth * 1e9) * 1e3
+            print(f"\nProfile, batch {batch}, ms per decode step (median of repeats); fp32 "
+                  f"bandwidth floor {floor:.2f} ms:\n")
+            for index, (name, p) in enumerate(layouts.items()):
+                result = profile_pieces(model, p, batch)
+                if index == 0:
+                    print(table_header("layout", *result, numeric=True))
+                print(table_row(name, *(f"{v:.2f}" for v in result.values())), flush=True)
+    if args.profile_only:
+        return
+
+    from jaxgen.models.hf_export import hf_from_jaxgen
+    from jaxgen.models.registry import embedded_path
+    import torch
+
+    torch.set_num_threads(args.threads)
+    hf = hf_from_jaxgen(model, stacked)
+    try:
+        import llama_cpp  # noqa: F401
+        gguf_q4 = embedded_path(DEFAULT_MODEL)
+    except ImportError:
+        gguf_q4 = None
+        print("llama_cpp is not installed: no llama.cpp rows (pip install llama-cpp-python)")
+    gguf_f32 = None if gguf_q4 is None else write_f32_gguf(
+        gguf_q4, os.path.join(tempfile.mkdtemp(), "smollm2-f32.gguf"))
+    print(table_header("batch", "system", "ms/step", "tok/s", "x transformers", "x bw floor",
+                       "compile s", numeric=True))
+    for batch in args.batches:
+        prompts = prompts_of(tokenizer, batch, args.prompt_tokens)
+        rows = []
+        hf_s = transformers_ms_per_token(hf, prompts, args.new_tokens, args.repeats)
+        rows.append(("transformers fp32", hf_s, None))
+        for name, p in layouts.items():
+            per_token, compile_s = jaxgen_ms_per_token(model, p, prompts, args.new_tokens,
+                                                       args.repeats)
+            rows.append((name, per_token, compile_s))
+        if gguf_q4 is not None and batch == 1:
+            for name, path in (("llama.cpp F32", gguf_f32), ("llama.cpp Q4_1", gguf_q4)):
+                rows.append((name, llama_cpp_ms_per_token(path, prompts[0], args.new_tokens,
+                                                          args.repeats, args.threads), None))
+        floor = fp32_bytes / (bandwidth * 1e9)
+        compute_floor = 2 * matmul_params(model) * batch / flops
+        for name, per_token, compile_s in rows:
+            print(table_row(batch, name, f"{per_token * 1e3:.1f}", f"{batch / per_token:.1f}",
+                            f"{hf_s / per_token:.2f}", f"{per_token / floor:.2f}",
+                            "" if compile_s is None else f"{compile_s:.1f}"))
+        print(table_row(batch, "bandwidth floor (fp32)", f"{floor * 1e3:.1f}",
+                        f"{batch / floor:.1f}", "", "1.00", ""))
+        print(table_row(batch, "compute floor (fp32)", f"{compute_floor * 1e3:.1f}",
+                        f"{batch / compute_floor:.1f}", "", "", ""))
+
+
+if __name__ == "__main__":
+    main()

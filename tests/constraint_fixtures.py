@@ -1,0 +1,51 @@
+"""Helpers for the constraint tests: the automaton read back on the host, as an HF-style
+prefix_allowed_tokens_fn, and the text of a generated row."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class HostAutomaton:
+    """A TokenAutomaton's arrays on the host: {state: {token: next}}, finals, initial."""
+
+    def __init__(self, automaton):
+        offsets = np.asarray(automaton.offsets)
+        tokens = np.asarray(automaton.edge_tokens)
+        targets = np.asarray(automaton.edge_next)
+        self.edges = {s: dict(zip(tokens[offsets[s]:offsets[s + 1]].tolist(),
+                                  targets[offsets[s]:offsets[s + 1]].tolist()))
+                      for s in range(len(offsets) - 1) if offsets[s + 1] > offsets[s]}
+        self.final = set(np.flatnonzero(np.asarray(automaton.final)).tolist())
+        self.initial = int(automaton.initial)
+
+    def walk(self, tokens) -> int | None:
+        """The state after `tokens`, or None when a token has no edge."""
+        state = self.initial
+        for token in tokens:
+            state = self.edges.get(state, {}).get(int(token))
+            if state is None:
+                return None
+        return state
+
+    def allowed(self, state: int, eos_ids) -> list[int]:
+        out = sorted(self.edges.get(state, {}))
+        return out + sorted(eos_ids) if state in self.final else out
+
+    def prefix_fn(self, prompt_lens, eos_ids):
+        """HF's prefix_allowed_tokens_fn(batch_id, input_ids) for this automaton: the row's
+        new tokens start after prompt_lens[batch_id] (input_ids: a torch tensor or numpy)."""
+        def fn(batch_id, input_ids):
+            ids = [int(t) for t in input_ids.tolist()]
+            state = self.walk(ids[prompt_lens[batch_id]:])
+            assert state is not None, "the host path left the automaton"
+            return self.allowed(state, eos_ids)
+        return fn
+
+
+def new_ids(row, prompt_len: int, eos_ids) -> tuple[list[int], bool]:
+    """(the generated ids before the first EOS, whether an EOS ended them)."""
+    new = list(row[prompt_len:])
+    for i, token in enumerate(new):
+        if token in eos_ids:
+            return new[:i], True
+    return new, False
