@@ -314,7 +314,10 @@ def test_check_params_missing_extra_keys_and_layer_count(tied_and_untied):
     no_bias = dict(params, layers={k: v for k, v in params["layers"].items() if k != "bq"})
     with pytest.raises(ValueError, match=r"params\['layers'\] has no key 'bq'"):
         model.check_params(no_bias)
-    with pytest.raises(ValueError, match=r"params has an unexpected key 'mtp'"):
+    with pytest.raises(ValueError, match=r"params has an unexpected key 'extra'"):
+        model.check_params(dict(params, extra=jnp.zeros(3)))
+    with pytest.raises(ValueError, match=r"params carry 'mtp' \(MTP layers\) but the model's "
+                                         r"config has num_mtp_layers=0"):
         model.check_params(dict(params, mtp=jnp.zeros(3)))
     with pytest.raises(ValueError, match=r"params\['layers'\] has an unexpected key 'bo'"):
         model.check_params(dict(params, layers=dict(params["layers"], bo=jnp.zeros((2, 16)))))
