@@ -35,24 +35,7 @@ from jaxgen.decode import DecodeLoop
 from jaxgen.plan import canonical_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from constraint_fixtures import HostAutomaton  # noqa: E402
-
-DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
-EMAIL = r"[a-z0-9._%+-]{1,20}@[a-z0-9-]{1,20}\.(com|org|net|edu)"
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer"},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 20},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
-        "hobbies": {"type": "array", "items": {"enum": ["chess", "music", "running"]},
-                    "maxItems": 3},
-    },
-    "required": ["name", "age", "address", "hobbies"],
-}
+from constraint_fixtures import DATE, EMAIL, PERSON, HostAutomaton  # noqa: E402
 
 
 def best_ms(fn, repeats: int = 3) -> float:

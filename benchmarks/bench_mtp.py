@@ -22,41 +22,17 @@ Timings exclude compilation and take the best of --repeats (generate calls) or -
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 
-import jaxgen
 from jaxgen.generate import default_config
 from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
 from jaxgen.models.mtp import with_mtp
 from jaxgen.output import outputs_to_lists
 
+from bench_timing import PROMPTS, best_of, timed_generate
 from report_table import table_header, table_row
-
-PROMPTS = ["Write a short poem about the sea.",
-           "Explain in two sentences why the sky is blue.",
-           "List five fruits and their colors."]
-
-
-def best_of(fn, repeats: int) -> float:
-    """Best wall seconds of fn() (already compiled: it runs once first)."""
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def timed_generate(params, model, prompt, cfg, repeats):
-    """(best seconds, output) of one generate call."""
-    run = lambda: jaxgen.generate(params, jaxgen.init_state(model, prompt, cfg), cfg)  # noqa
-    out = run()
-    return best_of(lambda: run().sequences, repeats), out
-
 
 def step_costs(model, params, prompt_len: int, width: int, repeats: int):
     """Seconds of one plain target step, a target forward over `width` positions, and one

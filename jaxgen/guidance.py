@@ -37,8 +37,7 @@ import jax.numpy as jnp
 
 from jaxgen.beam import cache_batch_axes
 from jaxgen.config import GenerationConfig
-from jaxgen.decode import choose_and_write
-from jaxgen.extensions import NO_EXTENSIONS, Extensions
+from jaxgen.decode import DecodeLoop, choose_and_write
 from jaxgen.guidance_inputs import GuidanceInputs, guided_log_probs
 from jaxgen.output import GenerateOutput, StepRecord
 from jaxgen.state import DecodeState
@@ -87,15 +86,13 @@ def unconditional_length(state: DecodeState, neg_len: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class GuidedLoop:
+class GuidedLoop(DecodeLoop):
     """Greedy / sampling with classifier-free guidance (static; chunkable like DecodeLoop).
 
     inputs: jaxgen.guidance_inputs.GuidanceInputs (None or empty: prompts' last tokens).
     """
 
-    ext: Extensions = NO_EXTENSIONS
     stacked: bool = True
-    chunkable = True
 
     # ------------------------------------------------------------------ prefill
     def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
@@ -160,18 +157,10 @@ class GuidedLoop:
         return state, record
 
     # ------------------------------------------------------------------ whole call
-    def run_loop(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
-        state, record = self.start(params, state, cfg, inputs)
-        return self.advance(params, state, record, 1, state.buffer_len - state.prompt_bucket,
-                            cfg, inputs)
-
     def output(self, state: DecodeState, record: StepRecord) -> GenerateOutput:
         """The output, with the final state's cache holding the prompts' rows only."""
         cache = state.cache.prompt_rows(state.batch)
         return GenerateOutput.from_state(state.replace(cache=cache), record)
-
-    def run(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
-        return self.output(*self.run_loop(params, state, cfg, inputs))
 
 
 __all__ = ["GuidedCache", "GuidedLoop", "unconditional_length", "unconditional_prompts"]

@@ -1,8 +1,27 @@
 """Helpers for the constraint tests: the automaton read back on the host, as an HF-style
-prefix_allowed_tokens_fn, and the text of a generated row."""
+prefix_allowed_tokens_fn, the text of a generated row, and the patterns the SmolLM2 tests and
+benchmarks/bench_constraints.py share."""
 from __future__ import annotations
 
 import numpy as np
+
+# A date, an e-mail address and a nested JSON schema (the SmolLM2 tests and the benchmark).
+DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+EMAIL = r"[a-z0-9._%+-]{1,20}@[a-z0-9-]{1,20}\.(com|org|net|edu)"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 20},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+        "hobbies": {"type": "array", "items": {"enum": ["chess", "music", "running"]},
+                    "maxItems": 3},
+    },
+    "required": ["name", "age", "address", "hobbies"],
+}
 
 
 class HostAutomaton:

@@ -90,6 +90,7 @@ def test_frequencies_match_exact_distribution(early_stopping, length_penalty, re
     assert tv < 0.03
 
 
+@pytest.mark.slow
 def test_fixed_key_is_reproducible_and_rows_are_independent():
     table = _table()
     model, params = BigramStub(VOCAB), {"table": jnp.asarray(table)}

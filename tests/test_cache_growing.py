@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 import jaxgen
 from jaxgen.config import GenerationConfig
@@ -16,6 +17,7 @@ PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [11, 12]]
 GROW = {"initial_length": 32, "chunk_size": 16}
 
 
+@pytest.mark.slow
 def test_growing_outputs_identical_to_static():
     params = MODEL.init_params(jax.random.key(0))
     static = GenerationConfig(max_new_tokens=120, do_sample=True, temperature=0.8)

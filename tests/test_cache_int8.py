@@ -139,6 +139,7 @@ def agreement_report(model, params, tok, prompts, new_tokens, cache_config=None)
         bytes_ratio=q_cache.nbytes() / dense_cache.nbytes())
 
 
+@pytest.mark.slow
 def test_int8_smollm2_logits_agreement_and_bytes(smollm2):
     model, params, tok = smollm2
     report = agreement_report(model, params, tok, PROMPTS[:4], 32)

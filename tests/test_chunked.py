@@ -60,6 +60,7 @@ def test_chunked_equals_single_call_on_stub(do_sample, chunk_size):
         assert streamed == np.asarray(single.sequences)[b, :int(single.lengths[b])].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_smollm2_chunked_tokens_and_streamed_text(smollm2, do_sample):
     model, params, tokenizer = smollm2
@@ -200,6 +201,7 @@ def test_assisted_chunked_equals_single_call(do_sample, assistant):
         assert streamed == np.asarray(single.sequences)[b, :int(single.lengths[b])].tolist()
 
 
+@pytest.mark.slow
 def test_smollm2_prompt_lookup_streams_the_same_text(smollm2):
     model, params, tokenizer = smollm2
     passage = "The river runs past the old mill, under the stone bridge, and into the sea."

@@ -46,6 +46,7 @@ def test_one_shot_prompt_streams_the_answer_and_a_summary():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_chat_keeps_the_history():
     turns = ["My favourite color is green.", "What is my favourite color?"]
     result = run_cli("--chat", "--max-new-tokens", "16", "--quiet",
@@ -58,6 +59,7 @@ def test_chat_keeps_the_history():
     assert result.stdout.strip().splitlines() == (first + "\n" + second).splitlines()
 
 
+@pytest.mark.slow
 def test_jsonl_batch_in_and_out(tmp_path):
     prompts = ["Name a fruit.", "Name a planet.", "Name a metal."]
     source = tmp_path / "prompts.jsonl"

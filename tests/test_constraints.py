@@ -99,8 +99,9 @@ MODES = {
     "lookup_sample": dict(prompt_lookup_num_tokens=3, do_sample=True, temperature=1.5),
     "lookup_greedy": dict(prompt_lookup_num_tokens=3),
     "beam_sample": dict(num_beams=2, do_sample=True),
+    "guided_sample": dict(guidance_scale=2.0, do_sample=True, temperature=1.5),
 }
-SLOW_MODES = ("lookup_greedy", "beam_sample")
+SLOW_MODES = ("lookup_greedy", "beam_sample", "guided_sample")
 
 
 @pytest.mark.parametrize("mode", [m if m not in SLOW_MODES else

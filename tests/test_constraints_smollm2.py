@@ -11,28 +11,12 @@ import jsonschema
 import pytest
 
 import jaxgen
-from constraint_fixtures import HostAutomaton, new_ids
+from constraint_fixtures import DATE, EMAIL, PERSON, HostAutomaton, new_ids
 from jaxgen.constraint_compile import compile_constraint
 from model_fixtures import smollm2_pair
 
 pytestmark = pytest.mark.slow
 
-DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
-EMAIL = r"[a-z0-9._%+-]{1,20}@[a-z0-9-]{1,20}\.(com|org|net|edu)"
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer"},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 20},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
-        "hobbies": {"type": "array", "items": {"enum": ["chess", "music", "running"]},
-                    "maxItems": 3},
-    },
-    "required": ["name", "age", "address", "hobbies"],
-}
 QUESTIONS = {
     "date": "When did the first person walk on the moon? Answer with the date.",
     "email": "Write an e-mail address for a bakery.",

@@ -14,8 +14,9 @@ from jaxgen.generate import generate_ids
 from jaxgen.models import tiny_llama
 from jaxgen.models.draft_vocab import (DraftVocabModel, restricted_logits, select_draft_vocab,
                                        with_draft_head)
+from exact_sampling import chi_square
 from stubs import BigramStub
-from test_speculative import SMALL_V, _chi_square, _exact_joint, _sample_cfg
+from test_speculative import SMALL_V, _exact_joint, _sample_cfg
 
 
 def test_logits_inside_equal_the_full_head_and_minus_inf_outside():
@@ -81,7 +82,7 @@ def test_sampling_with_pruned_draft_is_lossless():
     counts = np.zeros((SMALL_V,) * 3)
     np.add.at(counts, (new[:, 0], new[:, 1], new[:, 2]), 1)
     exact = _exact_joint(table, prompt[-1], 3)
-    assert _chi_square(counts, exact) > 1e-3
+    assert chi_square(counts, exact) > 1e-3
     assert 0.5 * np.abs(counts / rows - exact).sum() < 0.05
     assert int(np.asarray(out.speculative.drafted).sum()) > 0
     # the favourite is never drafted, yet the target emits it at its own rate

@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats as scipy_stats
 
 import jaxgen
 from jaxgen.contracts import LayeredModel
 from jaxgen.models import tiny_llama, unstack_layers
 from jaxgen.models.exit_adapter import init_exit_adapter
+from exact_sampling import (SMALL_V, TEMPERATURE, TOP_K, assert_follows, first_three_counts,
+                            three_token_joint)
 
 MODEL, PARAMS = tiny_llama(seed=4, num_layers=3, vocab_size=64, hidden_size=32,
                            intermediate_size=64, num_heads=4, num_kv_heads=2)
@@ -138,55 +139,20 @@ def test_sampled_rows_do_not_depend_on_the_batch():
 
 
 # ------------------------------------------------------------------------- losslessness
-SMALL_V, TEMPERATURE, TOP_K = 6, 0.8, 4
-
-
-def _processed_probs(logits: np.ndarray) -> np.ndarray:
-    """temperature + top-k, as the sampling config below asks."""
-    logits = logits / TEMPERATURE
-    kth = np.sort(logits, axis=-1)[..., -TOP_K][..., None]
-    logits = np.where(logits >= kth, logits, -np.inf)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    return probs / probs.sum(-1, keepdims=True)
-
-
-def _next_probs(model, params, prefixes: list[list[int]]) -> np.ndarray:
-    """The processed next-token distribution after each prefix (equal lengths) [N, V]."""
-    tokens = jnp.asarray(prefixes, jnp.int32)  # [N, S]
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    out = model(params, tokens, positions, model.init_cache(len(prefixes), tokens.shape[1]))
-    return _processed_probs(np.asarray(out.logits[:, -1], np.float64))
-
-
 @pytest.mark.parametrize("exit_layer", [1, 3])
 def test_sampling_is_lossless(exit_layer):
     model, params = tiny_llama(seed=9, num_layers=3, vocab_size=SMALL_V)
     params = {**params, "embed": params["embed"] * 4.0}  # a peaked, context-dependent model
     prompt = [2, 3, 2, 3, 2]
-    p1 = _next_probs(model, params, [prompt])[0]  # [V]
-    p2 = _next_probs(model, params, [prompt + [a] for a in range(SMALL_V)])  # [V, V]
-    p3 = _next_probs(model, params, [prompt + [a, b] for a in range(SMALL_V)
-                                     for b in range(SMALL_V)]).reshape((SMALL_V,) * 3)
-    exact = p1[:, None, None] * p2[:, :, None] * p3  # [V, V, V]
+    exact = three_token_joint(model, params, prompt)  # [V, V, V]
     rows = 12000
     cfg = jaxgen.GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
                                   max_new_tokens=4, assistant_early_exit=exit_layer,
                                   num_assistant_tokens=2, assistant_confidence_threshold=0.0)
     out = jaxgen.generate(params, jaxgen.init_state(model, [prompt] * rows, cfg,
                                                     jax.random.key(11)), cfg)
-    new = np.asarray(out.sequences)[:, len(prompt):len(prompt) + 3]  # [rows, 3]
-    counts = np.zeros((SMALL_V,) * 3)
-    np.add.at(counts, (new[:, 0], new[:, 1], new[:, 2]), 1)
-    assert counts[exact == 0].sum() == 0, "a token with zero target probability was emitted"
-    expected = exact.reshape(-1) * rows
-    big = expected >= 5
-    observed = np.append(counts.reshape(-1)[big], counts.reshape(-1)[~big].sum())
-    expected = np.append(expected[big], expected[~big].sum())
-    if expected[-1] == 0:  # no small cells to pool
-        observed, expected = observed[:-1], expected[:-1]
-    expected *= observed.sum() / expected.sum()
-    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3
-    assert 0.5 * np.abs(counts / rows - exact).sum() < 0.05
+    counts = first_three_counts(out.sequences, len(prompt), SMALL_V)  # [V, V, V]
+    assert_follows(counts, exact)
     accepted, drafted = int(np.sum(out.speculative.accepted)), int(np.sum(out.speculative.drafted))
     if exit_layer < 3:  # a draft that differs from the target: some drafts are rejected
         assert 0 < accepted < drafted

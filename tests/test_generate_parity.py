@@ -62,6 +62,7 @@ def test_greedy_matches_transformers_on_smollm2(batch):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_smollm2_batch_invariance_greedy_and_sampled():
     model, params, tokenizer, _ = smollm2_pair()
     target = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a fact."}])
@@ -76,6 +77,7 @@ def test_smollm2_batch_invariance_greedy_and_sampled():
         assert batched[1] == alone[0], do_sample
 
 
+@pytest.mark.slow
 def test_generate_text_answers_from_the_chat_template():
     model, params, tokenizer, _ = smollm2_pair()
     [answer] = jaxgen.generate_text(model, params, tokenizer, ["What is the capital of France?"],

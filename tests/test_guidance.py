@@ -305,6 +305,7 @@ def test_generate_text_takes_a_negative_prompt():
     assert plain != texts  # the negative prompt mattered
 
 
+@pytest.mark.slow
 @SLOW
 @pytest.mark.parametrize("batch", ["single", "ragged"])
 def test_smollm2_guided_greedy_matches_transformers(batch):

@@ -180,6 +180,7 @@ def test_smollm2_matches_hf_llama_on_dequantized_weights():
         assert_logits_close(a, b)
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_answers_paris():
     model, params, tokenizer = load(DEFAULT_MODEL)
     prompt = tokenizer.apply_chat_template(

@@ -23,8 +23,9 @@ from jaxgen.chunked import ChunkTimings
 from jaxgen.models.safetensors_io import read_safetensors, write_safetensors
 from jaxgen.speculative.mtp import MtpDrafter
 from test_chunked import Collect
-from test_early_exit import RAGGED, SMALL_V, TEMPERATURE, TOP_K, _next_probs
-from test_speculative import _chi_square
+from exact_sampling import (SMALL_V, TEMPERATURE, TOP_K, assert_follows, chi_square,
+                            first_three_counts, next_probs, processed_probs, three_token_joint)
+from test_early_exit import RAGGED
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -171,7 +172,7 @@ def test_greedy_equals_plain_greedy_ragged_batch_and_compiles_once(depths, width
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,options", [("sliding_window", {"window_length": 64}),
+@pytest.mark.parametrize("kind,options", [("sliding_window", {"sliding_window": 64}),
                                           ("quantized", {"nbits": 8})])
 def test_greedy_equals_plain_greedy_on_other_cache_kinds(kind, options):
     pair = near_target_mtp(LLAMA, 2)
@@ -215,20 +216,13 @@ def test_sampling_is_lossless():
     params = {**params, "embed": params["embed"] * 4.0}  # a peaked, context-dependent model
     pair = near_target_mtp((model, params), depths=2, seed=3)
     prompt = [2, 3, 2, 3, 2]
-    p1 = _next_probs(model, params, [prompt])[0]  # [V]
-    p2 = _next_probs(model, params, [prompt + [a] for a in range(SMALL_V)])  # [V, V]
-    p3 = _next_probs(model, params, [prompt + [a, b] for a in range(SMALL_V)
-                                     for b in range(SMALL_V)]).reshape((SMALL_V,) * 3)
-    exact = p1[:, None, None] * p2[:, :, None] * p3  # [V, V, V]
+    exact = three_token_joint(model, params, prompt)  # [V, V, V]
     rows = 12000
     cfg = jaxgen.GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
                                   max_new_tokens=4, use_mtp=True)
     out = run(pair, cfg, [prompt] * rows, key=jax.random.key(11))
-    new = np.asarray(out.sequences)[:, len(prompt):len(prompt) + 3]  # [rows, 3]
-    counts = np.zeros((SMALL_V,) * 3)
-    np.add.at(counts, (new[:, 0], new[:, 1], new[:, 2]), 1)
-    assert _chi_square(counts, exact) > 1e-3
-    assert 0.5 * np.abs(counts / rows - exact).sum() < 0.05
+    counts = first_three_counts(out.sequences, len(prompt), SMALL_V)  # [V, V, V]
+    assert_follows(counts, exact)
     accepted, drafted = int(np.sum(out.speculative.accepted)), int(np.sum(out.speculative.drafted))
     assert 0 < accepted < drafted  # q differs from p: some drafts are rejected
 
@@ -237,20 +231,19 @@ def test_sampling_is_lossless():
 def test_the_static_ensemble_follows_the_mixture():
     """One depth, one draft per round: the token after the first round follows
     v = w p + (1 - w) q, q the depth's processed distribution from teacher_forced_logits."""
-    from test_early_exit import _processed_probs
     model, params = tiny_llama(seed=9, num_layers=3, vocab_size=SMALL_V)
     params = {**params, "embed": params["embed"] * 4.0}
     model, params = with_mtp(model, params, jax.random.key(5), depths=1)  # q far from p
     params = {**params, "mtp": {**params["mtp"], "eh_proj": params["mtp"]["eh_proj"] * 4.0}}
     prompt, w, rows = [2, 3, 2, 3, 2], 0.4, 16000
     P = len(prompt)
-    p1 = _next_probs(model, params, [prompt])[0]  # [V]
-    p2 = _next_probs(model, params, [prompt + [a] for a in range(SMALL_V)])  # [V, V]
+    p1 = next_probs(model, params, [prompt])[0]  # [V]
+    p2 = next_probs(model, params, [prompt + [a] for a in range(SMALL_V)])  # [V, V]
     out = model(params, jnp.asarray([prompt]), jnp.arange(P)[None], model.init_cache(1, P))
     hidden = jnp.repeat(out.hidden, SMALL_V, 0)  # [V, P, D] the prompt's hidden states
     tokens = jnp.asarray([prompt + [a] for a in range(SMALL_V)], jnp.int32)  # [V, P + 1]
     logits = teacher_forced_logits(model, params, tokens, hidden)[0][:, P - 1]  # [V, V]
-    q2 = _processed_probs(np.asarray(logits, np.float64))  # [V, V] q of t2 given t1
+    q2 = processed_probs(np.asarray(logits, np.float64))  # [V, V] q of t2 given t1
     cfg = jaxgen.GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
                                   max_new_tokens=3, num_assistant_tokens=1, use_mtp=True,
                                   assistant_ensemble_weight=w)
@@ -259,7 +252,7 @@ def test_the_static_ensemble_follows_the_mixture():
     counts = np.zeros((SMALL_V, SMALL_V))
     np.add.at(counts, (new[:, 0], new[:, 1]), 1)
     mixture, target = p1[:, None] * (w * p2 + (1 - w) * q2), p1[:, None] * p2  # [V, V]
-    assert _chi_square(counts, mixture) > 1e-3
+    assert chi_square(counts, mixture) > 1e-3
     # the mixture is visibly not p, and the counts follow the mixture, not p
     assert 0.5 * np.abs(mixture - target).sum() > 0.05
     seen = counts / rows

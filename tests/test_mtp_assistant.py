@@ -29,8 +29,9 @@ from jaxgen.models.safetensors_io import read_safetensors, write_safetensors
 from jaxgen.speculative.draft_model import DraftModelDrafter
 from jaxgen.speculative.mtp_assistant import MtpAssistantDrafter
 from test_chunked import Collect
-from test_early_exit import RAGGED, SMALL_V, TEMPERATURE, TOP_K, _next_probs, _processed_probs
-from test_speculative import _chi_square
+from exact_sampling import (SMALL_V, TEMPERATURE, TOP_K, assert_follows, chi_square,
+                            first_three_counts, next_probs, processed_probs, three_token_joint)
+from test_early_exit import RAGGED
 
 LLAMA = tiny_llama(seed=4, num_layers=3, vocab_size=64, hidden_size=32, intermediate_size=64,
                    num_heads=4, num_kv_heads=2)
@@ -172,21 +173,14 @@ def _tiny_vocab_target_and_drafter():
 def test_sampling_is_lossless():
     (model, params), assistant = _tiny_vocab_target_and_drafter()
     prompt = [2, 3, 2, 3, 2]
-    p1 = _next_probs(model, params, [prompt])[0]  # [V]
-    p2 = _next_probs(model, params, [prompt + [a] for a in range(SMALL_V)])  # [V, V]
-    p3 = _next_probs(model, params, [prompt + [a, b] for a in range(SMALL_V)
-                                     for b in range(SMALL_V)]).reshape((SMALL_V,) * 3)
-    exact = p1[:, None, None] * p2[:, :, None] * p3  # [V, V, V]
+    exact = three_token_joint(model, params, prompt)  # [V, V, V]
     rows = 12000
     cfg = jaxgen.GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
                                   max_new_tokens=4, num_assistant_tokens=2,
                                   assistant_confidence_threshold=0.0)
     out = run((model, params), cfg, [prompt] * rows, assistant, key=jax.random.key(11))
-    new = np.asarray(out.sequences)[:, len(prompt):len(prompt) + 3]  # [rows, 3]
-    counts = np.zeros((SMALL_V,) * 3)
-    np.add.at(counts, (new[:, 0], new[:, 1], new[:, 2]), 1)
-    assert _chi_square(counts, exact) > 1e-3
-    assert 0.5 * np.abs(counts / rows - exact).sum() < 0.05
+    counts = first_three_counts(out.sequences, len(prompt), SMALL_V)  # [V, V, V]
+    assert_follows(counts, exact)
     accepted, drafted = int(np.sum(out.speculative.accepted)), int(np.sum(out.speculative.drafted))
     assert 0 < accepted < drafted  # q differs from p: some drafts are rejected
 
@@ -197,8 +191,8 @@ def test_the_static_ensemble_follows_the_mixture():
     where q is the drafter's processed distribution, computed here from its own step."""
     (model, params), (drafter, dparams) = _tiny_vocab_target_and_drafter()
     prompt, w, rows = [2, 3, 2, 3, 2], 0.4, 16000
-    p1 = _next_probs(model, params, [prompt])[0]  # [V]
-    p2 = _next_probs(model, params, [prompt + [a] for a in range(SMALL_V)])  # [V, V]
+    p1 = next_probs(model, params, [prompt])[0]  # [V]
+    p2 = next_probs(model, params, [prompt + [a] for a in range(SMALL_V)])  # [V, V]
     P = len(prompt)
     out = model(params, jnp.asarray([prompt]), jnp.arange(P)[None], model.init_cache(1, P + 2))
     tokens = jnp.arange(SMALL_V, dtype=jnp.int32)  # every first token t1, one row each
@@ -208,7 +202,7 @@ def test_the_static_ensemble_follows_the_mixture():
     hidden = jnp.repeat(out.hidden[:, -1], SMALL_V, 0)  # [V, D] what predicted t1
     logits, _ = drafter.step(dparams, model, params, tokens, hidden,
                              jnp.full((SMALL_V,), P, jnp.int32), cache)
-    q2 = _processed_probs(np.asarray(logits, np.float64))  # [V, V]
+    q2 = processed_probs(np.asarray(logits, np.float64))  # [V, V]
     cfg = jaxgen.GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
                                   max_new_tokens=3, num_assistant_tokens=1,
                                   assistant_confidence_threshold=0.0,
@@ -219,7 +213,7 @@ def test_the_static_ensemble_follows_the_mixture():
     counts = np.zeros((SMALL_V, SMALL_V))
     np.add.at(counts, (new[:, 0], new[:, 1]), 1)
     assert (np.asarray(result.speculative.position_tried)[:, 0] > 0).all()
-    assert _chi_square(counts, p1[:, None] * (w * p2 + (1 - w) * q2)) > 1e-3
+    assert chi_square(counts, p1[:, None] * (w * p2 + (1 - w) * q2)) > 1e-3
     # the mixture is visibly not p: tokens outside the target's top-k come from q
     assert counts[p1[:, None] * p2 == 0].sum() > 0.05 * rows
 

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats as scipy_stats
 
 import jaxgen
 from jaxgen import GenerationConfig, generate, init_state
 from jaxgen.generate import outputs_to_lists
 from jaxgen.speculative import accept_greedy, accept_sample, assemble, lookup_drafts
+from exact_sampling import SMALL_V, chi_square
 from stubs import BigramStub, random_table
 
 V = 12
@@ -218,23 +218,6 @@ def _exact_joint(table: np.ndarray, first: int, steps: int, temperature=0.8, top
     return joint
 
 
-def _chi_square(counts: np.ndarray, expected_probs: np.ndarray) -> float:
-    counts, probs = counts.reshape(-1), expected_probs.reshape(-1)
-    total = counts.sum()
-    assert counts[probs == 0].sum() == 0, "a token with zero target probability was emitted"
-    expected = probs * total
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    exp = exp * (obs.sum() / exp.sum())  # float64 rounding only
-    return float(scipy_stats.chisquare(obs, exp).pvalue)
-
-
-SMALL_V = 6
-
-
 @pytest.mark.parametrize("draft_kind", ["good", "bad", "zero", "lookup"])
 def test_speculative_sampling_is_lossless(draft_kind):
     rng = np.random.default_rng(7)
@@ -262,7 +245,7 @@ def test_speculative_sampling_is_lossless(draft_kind):
     counts = np.zeros((SMALL_V,) * 3)
     np.add.at(counts, (new[:, 0], new[:, 1], new[:, 2]), 1)
     exact = _exact_joint(target, prompt[-1], 3)
-    assert _chi_square(counts, exact) > 1e-3
+    assert chi_square(counts, exact) > 1e-3
     tv = 0.5 * np.abs(counts / rows - exact).sum()
     assert tv < 0.05
     spec = out.speculative
@@ -290,7 +273,7 @@ def test_static_ensemble_first_token_and_acceptance_rate():
     v_rows = w * p_rows + (1 - w) * q_rows
     counts = np.zeros((SMALL_V, SMALL_V))
     np.add.at(counts, (new[:, 0], new[:, 1]), 1)
-    assert _chi_square(counts, p_first[:, None] * v_rows) > 1e-3  # token 2 follows v
+    assert chi_square(counts, p_first[:, None] * v_rows) > 1e-3  # token 2 follows v
     spec = out.speculative
     first_round = np.asarray(spec.position_tried)[:, 0] > 0  # the round after the prefill
     assert first_round.all()

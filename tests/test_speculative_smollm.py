@@ -54,6 +54,7 @@ def _check(smollm, prompts):
             assert np.array_equal(np.asarray(spec.accepted), np.asarray(spec.drafted))
 
 
+@pytest.mark.slow
 def test_greedy_speculative_equals_greedy_ragged_batch(smollm):
     _, _, tokenizer, _ = smollm
     _check(smollm, [tokenizer.encode(t) for t in TEXTS])

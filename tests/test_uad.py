@@ -24,8 +24,9 @@ from jaxgen.models import tiny_llama
 from jaxgen.models.tokenizer import Tokenizer
 from jaxgen.uad_align import GreedyRow, tokens_diag
 from jaxgen.uad_text import TokenBridge
+from exact_sampling import chi_square
 from stubs import BigramStub
-from test_speculative import _chi_square, _exact_joint
+from test_speculative import _exact_joint
 
 TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. to be or "
         "not to be, that is the question. all that glitters is not gold. every cloud has a "
@@ -235,7 +236,7 @@ def test_sampling_across_vocabularies_is_lossless(draft_kind):
     counts = np.zeros((6,) * 3)
     np.add.at(counts, (new[:, 0], new[:, 1], new[:, 2]), 1)
     exact = _exact_joint(target, prompt[-1], 3)
-    assert _chi_square(counts, exact) > 1e-3
+    assert chi_square(counts, exact) > 1e-3
     assert 0.5 * np.abs(counts / rows - exact).sum() < 0.05
     drafted, accepted = int(np.sum(out.speculative.drafted)), int(np.sum(out.speculative.accepted))
     assert 0 < accepted < drafted
