@@ -24,8 +24,14 @@ With --host-only it measures only the host work of a greedy round (jaxgen.uad_dr
 assistant inputs, round arrays, the drafts' re-encoding and alignment) on a fixed English
 continuation, without the device: the per-round overhead UAD adds, by batch size.
 
+With --draft-model NAME it runs a trained draft with its own tokenizer instead of the built
+one (smollm2-135m-instruct-uad-draft: jaxgen.train.uad_draft); --hf-batch also times
+transformers' UAD on the --batch prompts, one row after the other (it has no batched UAD), and
+each transformers row reports jaxgen UAD's speed-up over it.
+
     python benchmarks/bench_uad.py [--new-tokens 64] [--batch 8] [--layers 10] [--draft 4]
         [--vocab 8000] [--tokenizer cut|trained] [--repeats 2] [--hf] [--host-only]
+    python benchmarks/bench_uad.py --draft-model smollm2-135m-instruct-uad-draft --hf --hf-batch
 """
 from __future__ import annotations
 
@@ -126,8 +132,9 @@ def timed(run, repeats: int):
     return best, out
 
 
-def hf_uad_seconds(model, params, draft, draft_params, raw_target, raw_draft, prompt, args):
-    """transformers' UAD, batch 1, PyTorch CPU: (seconds, ids)."""
+def hf_uad_seconds(model, params, draft, draft_params, raw_target, raw_draft, prompts, args):
+    """transformers' UAD, PyTorch CPU, one row at a time (it has no batched UAD): (seconds
+    for all `prompts`, ids of each)."""
     import torch
     import transformers
 
@@ -140,13 +147,17 @@ def hf_uad_seconds(model, params, draft, draft_params, raw_target, raw_draft, pr
         tokenizer_object=raw, eos_token=eos)
     kw = dict(assistant_model=draft_hf, tokenizer=fast(raw_target, "<|im_end|>"),
               assistant_tokenizer=fast(raw_draft, "<|im_end|>"), do_sample=False,
-              max_new_tokens=args.new_tokens, num_assistant_tokens=args.draft, pad_token_id=0)
-    ids = torch.tensor([prompt])
+              max_new_tokens=args.new_tokens, num_assistant_tokens=args.draft, pad_token_id=0,
+              assistant_confidence_threshold=0.0)  # as jaxgen's UAD runs here
+    rows, seconds = [], 0.0
     with torch.no_grad():
-        target_hf.generate(ids, **{**kw, "max_new_tokens": 4})
-        start = time.perf_counter()
-        out = target_hf.generate(ids, **kw)
-    return time.perf_counter() - start, out[0].tolist()
+        target_hf.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4})
+        for prompt in prompts:
+            start = time.perf_counter()
+            out = target_hf.generate(torch.tensor([prompt]), **kw)
+            seconds += time.perf_counter() - start
+            rows.append(out[0].tolist())
+    return seconds, rows
 
 
 def host_only(tokenizer, draft_tok, args) -> None:
@@ -189,6 +200,12 @@ def main() -> None:
     parser.add_argument("--draft", type=int, default=4, help="num_assistant_tokens (K)")
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--tokenizer", choices=("cut", "trained"), default="cut")
+    parser.add_argument("--draft-model", default=None, metavar="NAME",
+                        help="a trained draft with its own tokenizer (jaxgen.models.load), "
+                             "e.g. smollm2-135m-instruct-uad-draft, instead of the built one")
+    parser.add_argument("--hf-batch", action="store_true",
+                        help="with --hf, also time transformers' UAD on the --batch prompts "
+                             "(one row after the other)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hf", action="store_true", help="also time transformers' UAD")
     parser.add_argument("--host-only", action="store_true",
@@ -199,15 +216,23 @@ def main() -> None:
     if args.host_only:
         return host_only(tokenizer, cut_tokenizer(tokenizer, args.vocab), args)
     params = unstack_layers(model, stacked)
-    draft_tok = (cut_tokenizer(tokenizer, args.vocab) if args.tokenizer == "cut" else
-                 build_draft_tokenizer(model, params, tokenizer, args.vocab, 96))
-    draft, draft_stacked, shared = build_draft_model(model, stacked, tokenizer, draft_tok,
-                                                     args.layers)
+    if args.draft_model:
+        draft, draft_stacked, draft_tok = load(args.draft_model, dtype=jnp.float32)
+        shared = int(np.sum(TokenBridge(tokenizer, draft_tok, model.vocab_size,
+                                        len(draft_tok)).to_target >= 0))
+        c = draft.config
+        print(f"draft: {args.draft_model}: {len(draft_tok)}-token byte-level BPE ({shared} "
+              f"token strings shared with SmolLM2's {model.vocab_size}), hidden "
+              f"{c.hidden_size}, {c.num_layers} layers, K={args.draft}")
+    else:
+        draft_tok = (cut_tokenizer(tokenizer, args.vocab) if args.tokenizer == "cut" else
+                     build_draft_tokenizer(model, params, tokenizer, args.vocab, 96))
+        draft, draft_stacked, shared = build_draft_model(model, stacked, tokenizer, draft_tok,
+                                                         args.layers)
+        print(f"draft: {len(draft_tok)}-token byte-level BPE ({args.tokenizer}; {shared} "
+              f"token strings shared with SmolLM2's {model.vocab_size}), SmolLM2's first "
+              f"{args.layers} of {model.config.num_layers} layers, K={args.draft}")
     draft_params = unstack_layers(draft, draft_stacked)
-    print(f"draft: {len(draft_tok)}-token byte-level BPE ({args.tokenizer}; {shared} token "
-          f"strings shared with "
-          f"SmolLM2's {model.vocab_size}), SmolLM2's first {args.layers} of "
-          f"{model.config.num_layers} layers, K={args.draft}")
     cfg = default_config(model, None, max_new_tokens=args.new_tokens, eos_token_id=None)
     uad_cfg = cfg.replace(num_assistant_tokens=args.draft, assistant_confidence_threshold=0.0)
     rows = []
@@ -232,18 +257,21 @@ def main() -> None:
                      f"{float(np.mean(stats.tokens_per_round)):.2f}",
                      f"{float(np.sum(stats.accepted) / max(np.sum(stats.drafted), 1)):.2f}",
                      f"{1e3 * last.host_s / rounds:.2f}", f"{1e3 * seconds / rounds:.1f}"))
-        if args.hf and batch == 1:
+        if args.hf and (batch == 1 or args.hf_batch):
             hf_s, hf_ids = hf_uad_seconds(model, stacked, draft, draft_stacked, tokenizer.backend,
-                                          draft_tok.backend, prompts[0], args)
-            same = hf_ids == outputs_to_lists(plain)[0]
-            rows.append((1, "transformers UAD" + ("" if same else " (other tokens!)"),
-                         args.new_tokens / hf_s, plain_s / hf_s, "", "", "", ""))
+                                          draft_tok.backend, prompts, args)
+            same = hf_ids == outputs_to_lists(plain)
+            rows.append((batch, "transformers UAD" + ("" if same else " (other tokens!)"),
+                         batch * args.new_tokens / hf_s, plain_s / hf_s, "", "", "", ""))
+            rows.append((batch, "jaxgen UAD vs transformers UAD", "", hf_s / seconds,
+                         "", "", "", ""))
     print(f"\nSmolLM2-135M-Instruct fp32, {args.new_tokens} new tokens per row, "
           f"{jax.devices()[0].platform}\n")
     print(table_header("batch", "method", "tok/s", "vs jaxgen greedy", "tokens/round",
                        "acceptance", "host ms/round", "ms/round"))
     for batch, method, tps, ratio, per_round, acceptance, host_ms, round_ms in rows:
-        print(table_row(batch, method, f"{tps:.1f}", f"{ratio:.2f}x", per_round, acceptance,
+        print(table_row(batch, method, tps if tps == "" else f"{tps:.1f}", f"{ratio:.2f}x",
+                        per_round, acceptance,
                         host_ms, round_ms))
 
 

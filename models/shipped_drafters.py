@@ -5,6 +5,9 @@
                                          (+ draft_vocab.json, its pruned draft vocabulary)
     smollm2-135m-instruct-exit-adapters  exit_adapter_{E}.safetensors: the exit adapter of
                                          layer E, attached as params["exit_adapters"][str(E)]
+    smollm2-135m-instruct-uad-draft      a Hugging Face folder: a draft with its own tokenizer
+                                         (an 8k byte-level BPE), for universal assisted
+                                         decoding (assistant_tokenizer=)
     smollm2-135m-instruct-mtp-drafter    an MTP drafter folder (models/mtp_drafter_io.py) with
                                          a pruned draft vocabulary; its head rows are the
                                          target's, rebuilt at load ("draft_head")
@@ -32,6 +35,7 @@ WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 DRAFT_NAME = "smollm2-135m-instruct-draft"
 EXIT_ADAPTERS_NAME = "smollm2-135m-instruct-exit-adapters"
 MTP_DRAFTER_NAME = "smollm2-135m-instruct-mtp-drafter"
+UAD_DRAFT_NAME = "smollm2-135m-instruct-uad-draft"
 
 
 def shipped_folder(name: str) -> str:

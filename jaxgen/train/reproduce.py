@@ -5,12 +5,17 @@ folder when it has meta.json; training resumes from its orbax checkpoints).
     python -m jaxgen.train.reproduce draft --work /work/repro
     python -m jaxgen.train.reproduce exit-adapter --work /work/repro
     python -m jaxgen.train.reproduce mtp-drafter --work /work/repro
+    python -m jaxgen.train.reproduce uad-draft --work /work/repro
 
 Measured on this 2-core machine (shared with other jobs, load 8-18): self-distillation data
 18.5 min, draft 40 min (500 steps), exit adapter 11 min (300 steps). The MTP drafter reads
 its own smaller data set (the first 96 prompts, 128 new tokens, the input states of the last
 layer, whose K/V it reads) and the draft's vocabulary: data 15 min, training 36 min (180 of
 a 250-step schedule: it ships the step-180 checkpoint), at load 10-20 under nice 19.
+The UAD draft (its own tokenizer) reads text: the MTP drafter's answers (96 prompts) and
+greedy answers of 160 tokens to the other 203 training prompts (uad_corpus.py); its
+tokenizer is trained on that text (uad_tokenizer.py), the draft on all but the last
+UAD_HOLDOUT rows (uad_draft.py).
 """
 from __future__ import annotations
 
@@ -18,13 +23,22 @@ import argparse
 import os
 
 from jaxgen.models.shipped_drafters import (DRAFT_NAME, EXIT_ADAPTERS_NAME, MTP_DRAFTER_NAME,
-                                            WEIGHTS)
+                                            UAD_DRAFT_NAME, WEIGHTS)
 
-from . import distill_data, exit_adapter, mtp_drafter, standalone_draft, vocab
+from . import (distill_data, exit_adapter, mtp_drafter, standalone_draft, uad_corpus,
+               uad_draft, uad_tokenizer, vocab)
 
 DRAFT_OUT = os.path.join(WEIGHTS, DRAFT_NAME)
 ADAPTER_OUT = os.path.join(WEIGHTS, EXIT_ADAPTERS_NAME)
 MTP_OUT = os.path.join(WEIGHTS, MTP_DRAFTER_NAME)
+UAD_OUT = os.path.join(WEIGHTS, UAD_DRAFT_NAME)
+UAD_PROMPTS, UAD_HOLDOUT = 0, 24  # every training prompt; the last 24 rows held out
+# 25 steps of a 150-step schedule at a low rate: the start (the standalone draft's layers,
+# rows by token string) already predicts as well on held-out rows; longer or faster runs
+# overfit the 31k answer tokens (held-out CE 3.06 at the start, 3.04 at 25, 3.09 at 75 and
+# 3.89 after 150 steps at 1e-3)
+UAD_TRAIN_ARGS = ["--steps", "150", "--stop-at", "25", "--batch", "16", "--length", "224",
+                  "--lr", "2e-4", "--warmup", "10", "--checkpoint-every", "25"]
 MTP_TRAIN_ARGS = ["--steps", "250", "--stop-at", "180", "--batch", "4", "--length", "192", "--draft-steps", "3",
                   "--lr", "1e-3", "--warmup", "10", "--checkpoint-every", "10"]
 
@@ -50,9 +64,21 @@ def prepare_mtp(work: str) -> str:
     return data
 
 
+def prepare_uad(work: str) -> tuple[str, str]:
+    """The UAD draft's text corpus and tokenizer under `work` (made when missing)."""
+    corpus = os.path.join(work, "uad_corpus.jsonl")
+    uad_corpus.main(["--out", corpus, "--distill", prepare_mtp(work), "--new-tokens", "160",
+                     "--batch", "16", "--limit", str(UAD_PROMPTS)])  # resumes; no-op when done
+    tokenizer = os.path.join(work, "uad_tokenizer.json")
+    if not os.path.isfile(tokenizer):
+        uad_tokenizer.main(["--corpus", corpus, "--size", "8000", "--min-frequency", "1",
+                            "--out", tokenizer])
+    return corpus, tokenizer
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("drafter", choices=("draft", "exit-adapter", "mtp-drafter"))
+    parser.add_argument("drafter", choices=("draft", "exit-adapter", "mtp-drafter", "uad-draft"))
     parser.add_argument("--work", required=True, help="data and checkpoints (outside the repo)")
     parser.add_argument("--out", default=None, help="where to write (default: the shipped place)")
     args = parser.parse_args(argv)
@@ -62,6 +88,13 @@ def main(argv=None) -> None:
             "--vocab", os.path.join(WEIGHTS, DRAFT_NAME, "draft_vocab.json"),
             "--ckpt", os.path.join(args.work, "ckpt_mtp"), "--out", args.out or MTP_OUT,
             *MTP_TRAIN_ARGS])
+        return
+    if args.drafter == "uad-draft":
+        corpus, tokenizer = prepare_uad(args.work)
+        uad_draft.main(["--corpus", corpus, "--tokenizer", tokenizer,
+                        "--holdout", str(UAD_HOLDOUT),
+                        "--ckpt", os.path.join(args.work, "ckpt_uad"),
+                        "--out", args.out or UAD_OUT, *UAD_TRAIN_ARGS])
         return
     data, vocab_file = prepare(args.work)
     if args.drafter == "draft":
