@@ -60,6 +60,19 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) 
     return jax.jit(step, donate_argnums=0)
 
 
+def mean_metrics(loss_fn: Callable, params, frozen, batch_at: Callable[[int], Any],
+                 num_batches: int) -> dict:
+    """The mean of loss_fn's metrics over batch_at(0), ..., batch_at(num_batches - 1): one
+    pass over held-out data, rounded to 4 places."""
+    step = jax.jit(loss_fn)
+    totals = {}
+    for index in range(num_batches):
+        _, metrics = step(params, frozen, batch_at(index))
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    return {k: round(v / num_batches, 4) for k, v in totals.items()}
+
+
 def train(loss_fn: Callable, params, frozen, batch_at: Callable[[int], Any], cfg: TrainConfig,
           *, checkpoint_dir: str | None = None, stop_at: int | None = None,
           log: Callable[[str], None] | None = print) -> tuple[Any, list[dict]]:

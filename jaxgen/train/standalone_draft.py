@@ -29,7 +29,7 @@ from jaxgen.models.draft_vocab import restricted_logits
 
 from .batches import DistillSet, sequence_batch
 from .losses import distill_loss
-from .loop import TrainConfig, train
+from .loop import TrainConfig, mean_metrics, train
 from .optim import OptimConfig
 
 
@@ -93,14 +93,8 @@ def make_loss(draft: Llama, target: Llama, ce_weight: float = 0.0):
 
 def evaluate(loss_fn, params, frozen, data: DistillSet, batch: int, length: int) -> dict:
     """Mean metrics over every sequence of `data` once (held-out prompts)."""
-    step = jax.jit(loss_fn)
-    totals, count = {}, 0
-    for index in range(-(-data.num_sequences // batch)):
-        _, metrics = step(params, frozen, sequence_batch(data, index, batch, length, seed=7))
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-        count += 1
-    return {k: round(v / count, 4) for k, v in totals.items()}
+    batch_at = lambda i: sequence_batch(data, i, batch, length, seed=7)  # noqa: E731
+    return mean_metrics(loss_fn, params, frozen, batch_at, -(-data.num_sequences // batch))
 
 
 def main(argv=None) -> None:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .batches import pick
-from .loop import TrainConfig, train
+from .loop import TrainConfig, mean_metrics, train
 from .optim import OptimConfig
 
 
@@ -164,14 +164,8 @@ def init_from_draft(backend, draft_model, draft_params, draft_tokenizer):
 
 def evaluate(loss_fn, params, data: TokenSet, batch: int, length: int) -> dict:
     """Mean metrics over `data` (every sequence about once)."""
-    step = jax.jit(loss_fn)
-    totals, count = {}, 0
-    for index in range(-(-data.num_sequences // batch)):
-        _, metrics = step(params, None, token_batch(data, index, batch, length, seed=7))
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-        count += 1
-    return {k: round(v / count, 4) for k, v in totals.items()}
+    batch_at = lambda i: token_batch(data, i, batch, length, seed=7)  # noqa: E731
+    return mean_metrics(loss_fn, params, None, batch_at, -(-data.num_sequences // batch))
 
 
 def main(argv=None) -> None:
