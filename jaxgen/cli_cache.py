@@ -2,6 +2,9 @@
 
     <root>/xla/      JAX's persistent compilation cache: every compiled program, also the small
                      ones (min compile time 0), so a warm run compiles nothing
+    <root>/executables/  the generate programs (jaxgen.compiled's entries) as serialized
+                     executables (jaxgen.executable_cache): a warm run neither traces nor
+                     lowers them, which JAX's cache above still does to find a program
     <root>/models/   GGUF models converted once (weights as float32, tokenizer, config;
                      jaxgen.models.gguf_cache): a warm run reads one file instead of parsing
                      and dequantizing the GGUF
@@ -41,6 +44,11 @@ def compile_cache_dir() -> str:
     return os.path.join(cache_root(), "xla")
 
 
+def executable_cache_dir() -> str:
+    """Where the CLI keeps its generate programs as serialized executables."""
+    return os.path.join(cache_root(), "executables")
+
+
 def model_cache_dir() -> str:
     """Where the CLI keeps converted GGUF models."""
     return os.path.join(cache_root(), "models")
@@ -48,8 +56,9 @@ def model_cache_dir() -> str:
 
 def enable_compile_cache() -> None:
     """JAX's persistent compilation cache in compile_cache_dir(), for every program (the small
-    eager ones too: each costs tens of ms to compile, far less to read back). A
-    JAX_COMPILATION_CACHE_DIR the user set wins; a cache that cannot be used is skipped."""
+    eager ones too: each costs tens of ms to compile, far less to read back), and the
+    executable cache in executable_cache_dir(). A JAX_COMPILATION_CACHE_DIR the user set wins;
+    a cache that cannot be used is skipped."""
     import jax
 
     try:
@@ -60,6 +69,12 @@ def enable_compile_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     except (OSError, AttributeError, ValueError):
+        pass
+    try:
+        from jaxgen import executable_cache
+
+        executable_cache.enable(executable_cache_dir())
+    except OSError:
         pass
 
 
@@ -102,5 +117,11 @@ class CacheStats(logging.Handler):
             self.model_cache = "not written"
 
     def summary(self) -> str:
+        from jaxgen import executable_cache
+
         model = f"model cache {self.model_cache}" if self.model_cache else "no model cache"
-        return f"{model}, {self.hits} programs from the compile cache, {self.misses} compiled"
+        stored = executable_cache.stats()
+        executables = (f", {stored['hits']} executables read back, {stored['written']} written"
+                       if stored else "")
+        return (f"{model}, {self.hits} programs from the compile cache, {self.misses} "
+                f"compiled{executables}")

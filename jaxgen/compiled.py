@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import jax
 
+from jaxgen import executable_cache
+
 _TRACES = {"generate": 0}
 
 
@@ -44,10 +46,30 @@ def _advance(params, state, carry, begin, end, cfg, inputs, *, loop):
     return loop.advance(params, state, carry, begin, end, cfg, inputs)
 
 
-run_donated = jax.jit(_run, donate_argnames=("state",), static_argnames=("loop",))
-run_kept = jax.jit(_run, static_argnames=("loop",))
-start = jax.jit(_start, donate_argnames=("state",), static_argnames=("loop",))
-advance = jax.jit(_advance, donate_argnames=("state", "carry"), static_argnames=("loop",))
+_run_donated = jax.jit(_run, donate_argnames=("state",), static_argnames=("loop",))
+_run_kept = jax.jit(_run, static_argnames=("loop",))
+_start_jit = jax.jit(_start, donate_argnames=("state",), static_argnames=("loop",))
+_advance_jit = jax.jit(_advance, donate_argnames=("state", "carry"), static_argnames=("loop",))
+
+
+# Each entry goes through jaxgen.executable_cache: a plain jit call unless a cache is enabled
+# (the CLI enables one: a warm process then runs stored executables without tracing).
+def run_donated(params, state, cfg, inputs, *, loop):
+    return executable_cache.call("run_donated", _run_donated, (params, state, cfg, inputs),
+                                 loop)
+
+
+def run_kept(params, state, cfg, inputs, *, loop):
+    return executable_cache.call("run_kept", _run_kept, (params, state, cfg, inputs), loop)
+
+
+def start(params, state, cfg, inputs, *, loop):
+    return executable_cache.call("start", _start_jit, (params, state, cfg, inputs), loop)
+
+
+def advance(params, state, carry, begin, end, cfg, inputs, *, loop):
+    return executable_cache.call("advance", _advance_jit,
+                                 (params, state, carry, begin, end, cfg, inputs), loop)
 
 
 def trace_count() -> int:

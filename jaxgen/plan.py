@@ -235,6 +235,19 @@ def _choose_driver(cfg: GenerationConfig, loop, traced: bool, streamer, stop_eve
     return "growing" if growing else "chunked"
 
 
+def _placed_on_state_mesh(drafter, state: DecodeState):
+    """A drafter that keeps caches of its own (`placed_on(mesh)`), told the mesh the state is
+    sharded over (init_state(mesh=)); any other drafter, or a state on one device, as it is."""
+    place = getattr(drafter, "placed_on", None)
+    if place is None or isinstance(state.tokens, jax.core.Tracer):
+        return drafter
+    sharding = getattr(state.tokens, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.Mesh) or set(mesh.axis_names) != {"data", "model"}:
+        return drafter
+    return place(mesh)
+
+
 def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
               stopping_criteria=(), custom_generate=None, assistant_model=None,
               num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
@@ -249,6 +262,7 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
     assistant_model = universal_assistant(assistant_model, tokenizer, assistant_tokenizer,
                                           state.model)
     drafter, inputs = choose_drafter(cfg, state.model, assistant_model, num_assistant_tokens)
+    drafter = _placed_on_state_mesh(drafter, state)
     if drafter is not None and custom is not None:
         raise ValueError("custom_generate replaces the decoding loop: it cannot be combined "
                          "with assistant_model / prompt_lookup_num_tokens")

@@ -156,7 +156,8 @@ def row_keys(key, batch: int) -> jax.Array:
     (see `typed_keys` for what `key` may be)."""
     key = typed_keys(key)
     if key.ndim == 0:
-        return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch))  # [B]
+        rows = np.arange(batch, dtype=np.uint32)  # [B], host uint32: no iota / convert program
+        return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)  # [B]
     if key.shape != (batch,):
         raise ValueError(f"key must be one PRNG key or one per row ({batch}), got shape {key.shape}")
     return jnp.array(key, copy=True)  # [B]; a copy, because the state is donated
@@ -342,7 +343,24 @@ def state_shardings(state: DecodeState, mesh) -> DecodeState:
         cache=cache_shardings(state.cache, mesh), key=rows(state.key),
         stop_tables=jax.tree_util.tree_map(lambda _: whole, state.stop_tables),
         spec=jax.tree_util.tree_map(lambda _: whole, state.spec),
-        constraint=jax.tree_util.tree_map(lambda _: whole, state.constraint))
+        constraint=None if state.constraint is None else state.constraint.replace(
+            automaton=jax.tree_util.tree_map(lambda _: whole, state.constraint.automaton),
+            state=rows(state.constraint.state)))
+
+
+def placed_carry(automaton: TokenAutomaton, batch: int, mesh) -> ConstraintCarry:
+    """`start_carry` on `mesh`: the automaton's tables whole on every device, each row's
+    automaton state with its row (on "data"). Built from host copies, shard by shard, so it
+    also holds across processes (every process passes the same automaton)."""
+    mesh = check_mesh(mesh)
+
+    def place(host: np.ndarray, sharding):
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    whole = replicated(mesh)
+    tables = jax.tree_util.tree_map(lambda a: place(np.array(a), whole), automaton)
+    states = np.full((batch,), int(np.asarray(automaton.initial)), np.int32)  # [B]
+    return ConstraintCarry(automaton=tables, state=place(states, batch_sharding(mesh, 1)))
 
 
 def shard_state(state: DecodeState, mesh) -> DecodeState:
@@ -443,15 +461,17 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         placed = _placed_state(model, cfg, mesh, process_local, key, cache_dtype, tokens,
                                prompt_lens, budgets, bucket, pad_id, stop_tables)
         return placed if constraint is None else placed.replace(
-            constraint=start_carry(constraint, placed.batch))
+            constraint=placed_carry(constraint, placed.batch, mesh))
     check_fits_memory(model, cfg, batch, buffer_len, bucket, cache_dtype)
+    # host arrays go over with device_put: jnp.asarray / jnp.zeros would each compile (or
+    # read back from the persistent cache) a small program, a CLI run's fixed cost
     return DecodeState(
-        tokens=jnp.asarray(tokens),
-        length=jnp.asarray(prompt_lens),
-        prompt_len=jnp.asarray(prompt_lens),
-        max_new=jnp.asarray(budgets),
-        done=jnp.zeros((batch,), bool),
-        stop_reason=jnp.zeros((batch,), jnp.int32),
+        tokens=jax.device_put(tokens),
+        length=jax.device_put(prompt_lens),
+        prompt_len=jax.device_put(prompt_lens.copy()),
+        max_new=jax.device_put(budgets),
+        done=jax.device_put(np.zeros((batch,), bool)),
+        stop_reason=jax.device_put(np.zeros((batch,), np.int32)),
         cache=init_cache_for(model, cfg, batch, buffer_len, bucket, cache_dtype),
         key=row_keys(key, batch),
         model=model,

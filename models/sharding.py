@@ -13,6 +13,9 @@ mesh's "model" axis; every other dimension is whole, and parameters are replicat
                                              "model" axis divides V, else replicated
                                              (`head="replicated"` forces it)
     exit_adapters/E/w_in [D, A], w_out [A, D]   column / row parallel when m divides A
+    mtp/layers/*  [depths, ...]              the MTP depths' decoder blocks (models/mtp.py):
+                                             the decoder layers' rules; mtp's norms and
+                                             eh_proj [depths, 2D, D] replicated
     norms, biases of the output, and anything else (e.g. drafter sub-trees this module does
     not know)                                replicated
 
@@ -115,6 +118,10 @@ def param_shardings(model, params, mesh, *, head: str = "auto"):
             out[name] = place(-1 if vocab else None)(value)  # [D, V]
         elif name == "exit_adapters" and isinstance(value, Mapping):
             out[name] = {key: adapter(tree) for key, tree in value.items()}
+        elif name == "mtp" and isinstance(value, Mapping):  # the checkpoint's MTP depths
+            out[name] = {key: layer(tree) if key == "layers" else
+                         jax.tree_util.tree_map(place(None), tree)
+                         for key, tree in value.items()}
         else:  # final_norm, and sub-trees this module does not know: whole on every device
             out[name] = jax.tree_util.tree_map(place(None), value)
     return out

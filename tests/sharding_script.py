@@ -8,6 +8,9 @@ device (token for token), or a property of the placement (specs, bytes per devic
                                               # (8,1); placements, bytes, traces, errors
     python tests/sharding_script.py assisted  # prompt lookup, early exit, on the same meshes
     python tests/sharding_script.py extra     # (2,4): draft model, every cache kind, drivers
+    python tests/sharding_script.py guided    # (2,4): a token automaton (placement, tokens)
+    python tests/sharding_script.py guided_all  # every mesh: the checkpoint's MTP layers,
+                                              # guidance, constraints in every mode
     python tests/sharding_script.py smollm2   # SmolLM2 greedy on a (1,3) and an (8,1) mesh
     python tests/sharding_script.py multihost PROCESS PORT   # one of 2 processes (4 devices
                                               # each, jax.distributed over localhost)
@@ -66,14 +69,15 @@ PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7], [9, 8, 9, 8, 9], [3, 3, 3, 3, 3], [
 OTHER_PROMPTS = [[4, 3, 2, 1], [8, 8], [1, 2], [5], [6, 5, 4], [2, 2, 2], [9], [3, 1]]
 
 
-def run(model, params, cfg, mesh, prompts=PROMPTS, key=7, **generate_kwargs):
-    """(out, state before the call's sharding) of one generate call; params sharded here."""
+def run(model, params, cfg, mesh, prompts=PROMPTS, key=7, constraint=None, **generate_kwargs):
+    """The output of one generate call; params sharded here. constraint: init_state's."""
     placed = params if mesh is None else shard(model, params, mesh)
     if "assistant_model" in generate_kwargs and mesh is not None:
         draft, draft_params = generate_kwargs["assistant_model"]
         generate_kwargs = dict(generate_kwargs,
                                assistant_model=(draft, shard(draft, draft_params, mesh)))
-    state = jaxgen.init_state(model, prompts, cfg, jax.random.key(key), mesh=mesh)
+    state = jaxgen.init_state(model, prompts, cfg, jax.random.key(key), mesh=mesh,
+                              constraint=constraint)
     return jaxgen.generate(placed, state, cfg, **generate_kwargs)
 
 
@@ -148,6 +152,97 @@ def assisted() -> None:
 def extra() -> None:
     model, params, _, draft, draft_params = tiny_models()
     more_cases(model, params, draft, draft_params, mesh_of((2, 4)))
+
+
+def guided_cases(model, params, shapes):
+    """name -> (model, params, cfg, generate kwargs, init_state kwargs): the checkpoint's MTP
+    layers (use_mtp), classifier-free guidance and a compiled token automaton."""
+    from jaxgen.constraint_automaton import from_edges
+    from jaxgen.models.mtp import with_mtp
+    mtp_model, mtp_params = with_mtp(model, params, jax.random.key(3), depths=2)
+    mtp_params["mtp"] = peaked(mtp_params["mtp"])
+    automaton = from_edges({0: {5: 1, 6: 1}, 1: {7: 2, 8: 0}}, initial=0, finals=[2],
+                           vocab_size=model.vocab_size)
+    g = jaxgen.GenerationConfig
+    negative = dict(negative_prompt_ids=[[3, 4]] * len(PROMPTS))
+    cases = {"constraint greedy": (model, params, g(**BASE), {}, dict(constraint=automaton))}
+    if shapes != "default":  # the slow set: MTP's programs alone compile for ~30 s
+        cases.update({
+            "mtp greedy": (mtp_model, mtp_params, g(**BASE, use_mtp=True), {}, {}),
+            "guidance greedy": (model, params, g(**BASE, guidance_scale=2.0), negative, {}),
+            "mtp sampling K=3": (mtp_model, mtp_params, g(**BASE, use_mtp=True, do_sample=True,
+                                                          num_assistant_tokens=3), {}, {}),
+            "guidance sampling": (model, params, g(**BASE, guidance_scale=1.5, do_sample=True),
+                                  {}, {}),
+            "constraint sampling": (model, params, g(**BASE, do_sample=True), {},
+                                    dict(constraint=automaton)),
+            "constraint beam": (model, params, g(**BASE, num_beams=2), {},
+                                dict(constraint=automaton)),
+            "constraint prompt lookup": (model, params, g(**BASE, prompt_lookup_num_tokens=2),
+                                         {}, dict(constraint=automaton)),
+            "prefix_allowed_tokens_fn": (model, params, g(**BASE),
+                                         dict(prefix_allowed_tokens_fn=_alternate), {})})
+    return cases
+
+
+def _alternate(batch_id, ids):
+    """A prefix_allowed_tokens_fn: two alphabets by the parity of the length."""
+    return [5, 6, 7, 63] if len(ids) % 2 else [8, 9, 63]
+
+
+def guided(which: str = "default") -> None:
+    """MTP layers, classifier-free guidance and constraints on a mesh: one device's tokens,
+    one compile per mesh, and what each keeps of its own is split over the mesh."""
+    model, params, _, _, _ = tiny_models()
+    cases = guided_cases(model, params, which)
+    for name, (m, p, cfg, kw, init_kw) in cases.items():
+        reference = run(m, p, cfg, None, **kw, **init_kw)
+        # greedy on every mesh of the slow set; the other modes on (2, 4), both axes split
+        meshes = MESHES if which != "default" and name.endswith("greedy") else ((2, 4),)
+        for shape in meshes:
+            mesh = mesh_of(shape)
+            before = jaxgen.trace_count()
+            try:
+                out = run(m, p, cfg, mesh, **kw, **init_kw)
+            except Exception:
+                check(f"{shape} {name} tokens", False, traceback.format_exc()[-600:])
+                continue
+            check(f"{shape} {name} tokens", *same_tokens(out, reference))
+            programs = 2 if "prefix_allowed_tokens_fn" in kw else 1  # start + advance
+            check(f"{shape} {name} compiled once", jaxgen.trace_count() - before == programs,
+                  jaxgen.trace_count() - before)
+            data, parallel = shape
+            if out.state is not None:  # beam search's output holds no state
+                k = out.state.cache.k
+                check(f"{shape} {name} cache bytes per device",
+                      shard_bytes(k) * data * parallel == k.nbytes, k.sharding)
+            if name.startswith("mtp"):
+                mtp_placement(m, p, mesh, out, shape)
+            if "constraint" in init_kw and out.state is not None:
+                carry, placed = out.state.constraint, jaxgen.cache.check_mesh(mesh)
+                whole = jax.sharding.NamedSharding(placed, jax.sharding.PartitionSpec())
+                rows = jax.sharding.NamedSharding(placed, jax.sharding.PartitionSpec("data"))
+                check(f"{shape} {name} automaton whole, row states on data",
+                      carry.automaton.allowed.sharding.is_equivalent_to(whole, 2)
+                      and carry.state.sharding.is_equivalent_to(rows, 1),
+                      (carry.automaton.allowed.sharding, carry.state.sharding))
+
+
+def mtp_placement(model, params, mesh, out, shape) -> None:
+    """params["mtp"]'s blocks in the Megatron layout; the depths' caches split like the
+    target's (rows on "data", KV heads on "model")."""
+    data, parallel = shape
+    placed = shard(model, params, mesh)["mtp"]
+    wq, wo, norm = placed["layers"]["wq"], placed["layers"]["wo"], placed["enorm"]
+    check(f"{shape} mtp blocks tensor parallel",
+          tuple(wq.sharding.spec) == (None, None, "model")
+          and tuple(wo.sharding.spec) == (None, "model", None)
+          and shard_bytes(wq) * parallel == wq.nbytes and shard_bytes(norm) == norm.nbytes,
+          (wq.sharding, wo.sharding, norm.sharding))
+    cache, last = out.state.spec.draft_state
+    check(f"{shape} mtp depth caches split like the target's",
+          shard_bytes(cache.k) * data * parallel == cache.k.nbytes
+          and shard_bytes(last) * data == last.nbytes, (cache.k.sharding, last.sharding))
 
 
 def shard_bytes(array) -> int:
@@ -349,7 +444,8 @@ def main() -> None:
         start_distributed()
     check(f"{devices} devices", len(jax.local_devices()) == devices, jax.local_devices())
     {"plain": plain, "assisted": assisted, "extra": extra, "smollm2": smollm2,
-     "multihost": multihost}[sys.argv[1]]()
+     "multihost": multihost, "guided": guided,
+     "guided_all": lambda: guided("all")}[sys.argv[1]]()
     print(json.dumps({"checks": CHECKS, "seconds": round(time.perf_counter() - start, 1)}))
 
 

@@ -94,6 +94,22 @@ def test_bad_sizes_are_clear_errors(default_runs):
         assert checks[name]["ok"], checks[name]
 
 
+def test_a_constraint_matches_one_device_with_its_automaton_placed():
+    """(2, 4): a compiled token automaton gives one device's tokens; its tables are whole on
+    every device and each row's automaton state sits with its row."""
+    _assert_checks(_finish(_start("guided")), expected_at_least=5)
+
+
+@pytest.mark.slow
+def test_mtp_layers_guidance_and_constraints_on_every_mesh():
+    """use_mtp, classifier-free guidance (negative prompts) and a token automaton, greedy on
+    (1, 8), (2, 4), (8, 1); on (2, 4) also MTP sampling with K > depths, guided sampling, the
+    automaton in sampling / beam / prompt lookup, and prefix_allowed_tokens_fn: one device's
+    tokens, one compile per mesh; the MTP blocks tensor parallel and their depth caches split
+    like the target's."""
+    _assert_checks(_finish(_start("guided_all"), timeout=2400), expected_at_least=40)
+
+
 @pytest.mark.slow
 def test_draft_model_every_cache_kind_and_the_chunked_drivers_on_a_mesh():
     _assert_checks(_finish(_start("extra")), expected_at_least=12)

@@ -20,7 +20,7 @@ FLOORS = {
         "jaxgen.text", "jaxgen.train"),
     3: ("jaxgen.generate", "jaxgen.plan", "jaxgen.chunked", "jaxgen.growing",
         "jaxgen.compiled", "jaxgen.uad_align", "jaxgen.uad_text", "jaxgen.uad_driver",
-        "jaxgen.constraint_compile", "jaxgen.constraint_host"),
+        "jaxgen.constraint_compile", "jaxgen.constraint_host", "jaxgen.executable_cache"),
     2: ("jaxgen.decode", "jaxgen.beam", "jaxgen.step", "jaxgen.speculative", "jaxgen.guidance"),
     1: ("jaxgen.config", "jaxgen.config_checks", "jaxgen.state", "jaxgen.output",
         "jaxgen.contracts", "jaxgen.cache", "jaxgen.processors", "jaxgen.processors_history",

@@ -49,7 +49,9 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxgen.cache.sharding import DATA, cache_shardings, check_mesh
 from jaxgen.config import HF_DEFAULTS
 from jaxgen.contracts import DraftRequest
 from jaxgen.speculative.drafting import DraftBuffers, draft_step
@@ -70,6 +72,7 @@ class MtpDrafter:
 
     layers: Any  # the target's MtpLayers (jaxgen.models.mtp)
     num_tokens: int  # K: static draft width
+    mesh: Any = None  # the state's mesh: the depths' caches are placed on it (placed_on)
     scheduled: ClassVar[bool] = False  # always up to K drafts; no confidence threshold
     reads: ClassVar[frozenset] = frozenset({"params", "hidden_states"})
 
@@ -105,6 +108,20 @@ class MtpDrafter:
         width = layers.depths if default else cfg.max_assistant_tokens or cfg.num_assistant_tokens
         return cls(layers=layers, num_tokens=int(width)), None
 
+    def placed_on(self, mesh) -> "MtpDrafter":
+        """This drafter for a state sharded over `mesh` ("data", "model"): the depths' KV
+        caches are laid out as the target's (rows on "data", KV heads on "model") and the
+        kept outputs [D, B, H] by rows, instead of wherever the compiler's propagation puts
+        them (it kept the heads whole on every device)."""
+        return dataclasses.replace(self, mesh=mesh)
+
+    def _placed(self, cache, last):
+        if self.mesh is None:
+            return cache, last
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, self.mesh))
+        rows = NamedSharding(check_mesh(self.mesh), PartitionSpec(None, DATA, None))
+        return cache, jax.lax.with_sharding_constraint(last, rows)  # [D, B, H]
+
     def init(self, draft_params, state, target_params=None):
         """(the depths' empty KV caches, each depth's output at its last verified slot
         [D, B, H] (zeros))."""
@@ -116,7 +133,7 @@ class MtpDrafter:
         batch, width = state.tokens.shape
         cache = self.layers.cache(batch, width, shape.dtype)
         last = jnp.zeros((self.layers.depths, batch, shape.shape[-1]), shape.dtype)  # [D, B, H]
-        return cache, last
+        return self._placed(cache, last)
 
     def rollback(self, draft_state, length):
         """Nothing to undo: stale slots are rewritten before any query can see them."""
@@ -174,5 +191,5 @@ class MtpDrafter:
                 cond, body, (jnp.int32(D), buffers, cache, newest))
         else:
             steps = jnp.int32(D)
-        draft_state = (cache, jnp.stack(kept))  # [D, B, H]
+        draft_state = self._placed(cache, jnp.stack(kept))  # [D, B, H]
         return buffers.proposal(steps), draft_state, state.cache

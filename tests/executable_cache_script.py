@@ -1,0 +1,115 @@
+"""The executable-cache tests' process (tests/test_executable_cache.py): generates with
+jaxgen.executable_cache enabled and prints one JSON line.
+
+    python tests/executable_cache_script.py FOLDER
+    python tests/executable_cache_script.py --key    # program_key of sampling_call()
+
+A fresh process, so the cache's module state is the one jaxgen.compiled uses (pytest's
+doctest collection imports a second copy of every module). Each round enables a new store
+on FOLDER after `jax.clear_caches()`, as a new `jaxgen` process starts: nothing compiled in
+memory. A round generates a streamed greedy answer (the chunked driver: `start`, `advance`)
+and a plain greedy call (`run_donated`) on a tiny model and records their tokens, how many
+generate programs were traced (jaxgen.trace_count), how many XLA compiles ran (JAX's
+backend-compile events) and the store's counts. Rounds: "first" (an empty folder), "warm",
+then "damaged" after each entry is damaged in its own way (a flipped byte, a cut, another
+entry's contents), then "repaired".
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+import jaxgen
+from jaxgen import executable_cache
+from jaxgen.models import Llama, LlamaConfig, tiny_llama
+from jaxgen.models.tiny import TINY_SHAPES
+from jaxgen.streaming import BaseStreamer
+
+COMPILES: list[str] = []
+
+
+class Quiet(BaseStreamer):
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+def flip_a_byte(path, _):
+    with open(path, "r+b") as file:
+        file.seek(os.path.getsize(path) // 2)
+        byte = file.read(1)
+        file.seek(os.path.getsize(path) // 2)
+        file.write(bytes([byte[0] ^ 0x5A]))
+
+
+def cut(path, _):
+    os.truncate(path, os.path.getsize(path) // 3)
+
+
+def another_entrys_contents(path, other):  # intact, checksummed, but for another key
+    with open(other, "rb") as source, open(path, "wb") as file:
+        file.write(source.read())
+
+
+DAMAGES = (flip_a_byte, cut, another_entrys_contents)
+
+
+def one_round(folder: str, model, params) -> dict:
+    executable_cache.disable()
+    jax.clear_caches()
+    prompts = [[1, 5, 9, 2], [3, 4]]
+    cfg = jaxgen.GenerationConfig(max_new_tokens=10)
+    states = [jaxgen.init_state(model, prompts, cfg, jax.random.key(7)) for _ in range(2)]
+    jax.block_until_ready(states)
+    COMPILES.clear()
+    executable_cache.enable(folder)
+    traced = jaxgen.trace_count()
+    streamed = jaxgen.generate(params, states[0], cfg, streamer=[Quiet(), Quiet()])
+    plain = jaxgen.generate(params, states[1], cfg)
+    return {"tokens": [np.asarray(out.sequences).tolist() for out in (streamed, plain)],
+            "traced": jaxgen.trace_count() - traced, "compiles": len(COMPILES),
+            "stats": executable_cache.stats()}
+
+
+def sampling_call():
+    """(name, args, loop) of a sampling call: its config's static part holds a set of names."""
+    from jaxgen.decode import DecodeLoop
+    from jaxgen.extensions import Extensions
+    from jaxgen.plan import canonical_config
+
+    model = Llama(LlamaConfig(**{**TINY_SHAPES, "num_layers": 1}))
+    shapes = jax.eval_shape(model.init_params, jax.random.key(0))  # nothing computed
+    params = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes)
+    cfg = jaxgen.GenerationConfig(max_new_tokens=10, do_sample=True, temperature=0.7,
+                                  top_k=5, top_p=0.9, min_p=0.1)
+    state = jaxgen.init_state(model, [[1, 2, 3]], cfg, jax.random.key(0))
+    return "start", (params, state, canonical_config(cfg), None), DecodeLoop(Extensions())
+
+
+def main(folder: str) -> None:
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: COMPILES.append(event)
+        if event.endswith("backend_compile_duration") else None)
+    model, params = tiny_llama(seed=4, num_layers=1)
+    rounds = {"first": one_round(folder, model, params),
+              "warm": one_round(folder, model, params)}
+    entries = sorted(os.path.join(folder, name) for name in os.listdir(folder))
+    for index, path in enumerate(entries):
+        DAMAGES[index % len(DAMAGES)](path, entries[index - 1])
+    rounds["damaged"] = one_round(folder, model, params)
+    rounds["repaired"] = one_round(folder, model, params)
+    rounds["entries"] = len(entries)
+    print(json.dumps(rounds))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--key":
+        print(executable_cache.program_key(*sampling_call(), b"environment"))
+    else:
+        main(sys.argv[1])

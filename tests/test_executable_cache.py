@@ -1,0 +1,112 @@
+"""jaxgen.executable_cache: a warm process runs stored executables (nothing traced or
+compiled, the same tokens); damaged or stale entries fall back to a compile; calls it cannot
+key run as plain jits. The end-to-end rounds run in a fresh process
+(tests/executable_cache_script.py): pytest's doctest collection imports a second copy of
+every module, and the cache's switch lives in the copy jaxgen.compiled imported."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen import executable_cache
+from jaxgen.executable_cache import ExecutableStore, program_key
+
+SCRIPT = pathlib.Path(__file__).with_name("executable_cache_script.py")
+ROOT = SCRIPT.parent.parent
+sys.path.insert(0, str(SCRIPT.parent))
+from executable_cache_script import sampling_call  # noqa: E402
+
+
+def _script(*args: str, **env: str) -> str:
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env)
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
+                            text=True, timeout=600, env=environment, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_a_warm_process_compiles_nothing_and_damaged_entries_fall_back(tmp_path):
+    rounds = json.loads(_script(str(tmp_path / "executables")))
+    first, warm, damaged, repaired = (rounds[name]
+                                      for name in ("first", "warm", "damaged", "repaired"))
+    assert rounds["entries"] == 3  # start, advance (streamed), run_donated (one call)
+    assert first["stats"] == {"hits": 0, "written": 3, "damaged": 0, "uncached": 0}
+    assert first["traced"] == 3 and first["compiles"] == 3
+    # a hit: no generate program traced, no XLA compile at all, the same tokens
+    assert warm["stats"] == {"hits": 3, "written": 0, "damaged": 0, "uncached": 0}
+    assert warm["traced"] == 0 and warm["compiles"] == 0
+    assert warm["tokens"] == first["tokens"]
+    # a flipped byte, a cut file, another entry's (intact) contents: each found, dropped,
+    # compiled again and rewritten, with the same tokens
+    assert damaged["stats"] == {"hits": 0, "written": 3, "damaged": 3, "uncached": 0}
+    assert damaged["traced"] == 3 and damaged["tokens"] == first["tokens"]
+    assert repaired["stats"]["hits"] == 3 and repaired["compiles"] == 0
+    assert repaired["tokens"] == first["tokens"]
+
+
+def test_the_key_is_the_same_in_another_process_and_changes_with_the_program():
+    name, args, loop = sampling_call()
+    key = program_key(name, args, loop, b"environment")
+    # another process, another string hash seed: the config's set of names iterates in
+    # another order, the key must not change
+    assert _script("--key", PYTHONHASHSEED="12345") == key
+    params, state, cfg, inputs = args
+    assert program_key(name, args, loop, b"environment") == key
+    assert program_key("advance", args, loop, b"environment") != key
+    assert program_key(name, args, loop, b"another jax") != key
+    other_cfg = cfg.replace(top_k=None)
+    assert program_key(name, (params, state, other_cfg, inputs), loop, b"environment") != key
+    bigger = state.replace(tokens=jnp.zeros((1, state.tokens.shape[1] + 8), jnp.int32))
+    assert program_key(name, (params, bigger, cfg, inputs), loop, b"environment") != key
+    half = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
+    assert program_key(name, (half, state, cfg, inputs), loop, b"environment") != key
+
+
+def test_the_environment_holds_versions_flags_and_the_source(monkeypatch):
+    before = executable_cache.environment()
+    assert jax.__version__ in before and executable_cache.source_hash() in before
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert executable_cache.environment() != before
+
+
+@dataclasses.dataclass(frozen=True)
+class UserLoop:  # a loop from outside jaxgen: its code is not in the key
+    offset: int = 1
+
+
+def test_calls_it_cannot_key_run_as_plain_jits(tmp_path):
+    add = jax.jit(lambda x, *, loop: x + loop.offset, static_argnames=("loop",))
+    store = ExecutableStore(str(tmp_path))
+    xs = jnp.arange(3)
+    assert store.call("add", add, (xs,), UserLoop()).tolist() == [1, 2, 3]
+    under_vmap = jax.vmap(lambda x: store.call("add", add, (x,), UserLoop()))(xs)
+    assert under_vmap.tolist() == [1, 2, 3]
+    assert store.counts == {"hits": 0, "written": 0, "damaged": 0, "uncached": 2}
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_unwritable_folder_only_costs_the_compile(tmp_path):
+    add = jax.jit(lambda x, *, loop: x + loop, static_argnames=("loop",))
+    store = ExecutableStore(str(tmp_path / "missing"))  # writes fail: no such folder
+    assert store.call("add", add, (jnp.arange(3),), 2).tolist() == [2, 3, 4]
+    assert store.call("add", add, (jnp.arange(3),), 2).tolist() == [2, 3, 4]
+    assert store.counts["written"] == 0 and not (tmp_path / "missing").exists()
+
+
+def test_old_entries_are_pruned(tmp_path, monkeypatch):
+    count = 3
+    monkeypatch.setattr(executable_cache, "MAX_ENTRIES", count)
+    add = jax.jit(lambda x, *, loop: x + loop, static_argnames=("loop",))
+    store = ExecutableStore(str(tmp_path))
+    for offset in range(count + 2):
+        store.call("add", add, (jnp.arange(3),), offset)
+    assert len(os.listdir(tmp_path)) == count
