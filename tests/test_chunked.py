@@ -175,8 +175,9 @@ def test_streaming_errors_are_clear():
                         chunk_size=0)
 
 
-@pytest.mark.parametrize("do_sample", [False, True])
-@pytest.mark.parametrize("assistant", ["prompt_lookup", "draft_model"])
+@pytest.mark.parametrize("do_sample,assistant", [
+    (False, "prompt_lookup"), (True, "prompt_lookup"), (False, "draft_model"),
+    pytest.param(True, "draft_model", marks=pytest.mark.slow)])
 def test_assisted_chunked_equals_single_call(do_sample, assistant):
     model, params = BigramStub(8), random_table(8, seed=6)
     fields = dict(max_new_tokens=16, eos_token_id=5, do_sample=do_sample, top_k=0)
