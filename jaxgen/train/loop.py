@@ -60,6 +60,22 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) 
     return jax.jit(step, donate_argnums=0)
 
 
+def add_run_arguments(parser, *, steps: int, batch: int, length: int, lr: float, warmup: int,
+                      checkpoint_every: int) -> None:
+    """The command-line options every sequence recipe shares (checkpoint folder, target,
+    schedule, batch shape, seed), with the recipe's own defaults."""
+    parser.add_argument("--ckpt", default=None, help="orbax checkpoint folder (resume)")
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--stop-at", type=int, default=None, help="stop early (resume later)")
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--length", type=int, default=length)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def mean_metrics(loss_fn: Callable, params, frozen, batch_at: Callable[[int], Any],
                  num_batches: int) -> dict:
     """The mean of loss_fn's metrics over batch_at(0), ..., batch_at(num_batches - 1): one

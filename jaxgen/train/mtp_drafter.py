@@ -57,7 +57,7 @@ from jaxgen.models.mtp_drafter import (MtpDrafterConfig, MtpDrafterModel,
 
 from .batches import DistillSet, sequence_batch
 from .losses import distill_loss
-from .loop import TrainConfig, train
+from .loop import TrainConfig, add_run_arguments, train
 from .optim import OptimConfig
 
 
@@ -187,22 +187,14 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", required=True, help="draft vocabulary json (train/vocab.py's, "
                         "or a list of ids: the shipped draft's draft_vocab.json)")
     parser.add_argument("--out", required=True, help="drafter folder to write")
-    parser.add_argument("--ckpt", default=None, help="orbax checkpoint folder (resume)")
-    parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--stop-at", type=int, default=None, help="stop early (resume later)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--length", type=int, default=256)
+    add_run_arguments(parser, steps=600, batch=4, length=256, lr=2e-3,
+                      warmup=30, checkpoint_every=25)
     parser.add_argument("--draft-steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--no-linear-init", action="store_true",
                         help="random projections instead of linear_init's fit")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float16")
     args = parser.parse_args(argv)
 

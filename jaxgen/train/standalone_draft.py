@@ -29,7 +29,7 @@ from jaxgen.models.draft_vocab import restricted_logits
 
 from .batches import DistillSet, sequence_batch
 from .losses import distill_loss
-from .loop import TrainConfig, mean_metrics, train
+from .loop import TrainConfig, add_run_arguments, mean_metrics, train
 from .optim import OptimConfig
 
 
@@ -102,20 +102,12 @@ def main(argv=None) -> None:
     parser.add_argument("--data", required=True)
     parser.add_argument("--heldout", default=None)
     parser.add_argument("--out", required=True, help="HF folder to write")
-    parser.add_argument("--ckpt", default=None, help="orbax checkpoint folder (resume)")
-    parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--stop-at", type=int, default=None, help="stop early (resume later)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=50)
+    add_run_arguments(parser, steps=1500, batch=8, length=256, lr=3e-3,
+                      warmup=50, checkpoint_every=50)
     parser.add_argument("--ce-weight", type=float, default=0.0)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=384)
-    parser.add_argument("--checkpoint-every", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--vocab", default=None,
                         help="draft vocabulary json (jaxgen.train.vocab): train on it")

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .batches import pick
-from .loop import TrainConfig, mean_metrics, train
+from .loop import TrainConfig, add_run_arguments, mean_metrics, train
 from .optim import OptimConfig
 
 
@@ -176,18 +176,10 @@ def main(argv=None) -> None:
                         help="evaluate on the corpus' last N rows instead (not trained on)")
     parser.add_argument("--tokenizer", required=True, help="uad_tokenizer.py tokenizer.json")
     parser.add_argument("--out", required=True, help="HF folder to write")
-    parser.add_argument("--ckpt", default=None, help="orbax checkpoint folder (resume)")
+    add_run_arguments(parser, steps=150, batch=16, length=224, lr=2e-4,
+                      warmup=10, checkpoint_every=25)
     parser.add_argument("--init", default="smollm2-135m-instruct-draft")
-    parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--stop-at", type=int, default=None, help="stop early (resume later)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--length", type=int, default=224)
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--weight-decay", type=float, default=0.05)
-    parser.add_argument("--checkpoint-every", type=int, default=25)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float16")
     args = parser.parse_args(argv)
 
