@@ -68,6 +68,17 @@ def head_logits(model: Llama, params: dict, hidden: jax.Array, vocab) -> jax.Arr
     return restricted_logits(model, params, hidden, vocab)
 
 
+def window_hidden(draft: Llama, params, tokens: jax.Array) -> jax.Array:
+    """The draft's last-layer hidden states over whole token windows (teacher forcing, a
+    fresh cache per call): tokens [B, T] -> [B, T, D]."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                 tokens.shape)  # [B, T]
+    cache = draft.init_cache(tokens.shape[0], tokens.shape[1])
+    x = draft.embed(params, tokens)  # [B, T, D]
+    x, _ = draft.run_layers(params, x, positions, cache, 0, draft.config.num_layers)
+    return x
+
+
 def make_loss(draft: Llama, target: Llama, ce_weight: float = 0.0):
     """loss_fn(draft_params, frozen target head, sequence batch) -> (loss, metrics).
 
@@ -76,12 +87,7 @@ def make_loss(draft: Llama, target: Llama, ce_weight: float = 0.0):
     q is zero outside; a fifth of the head cost)."""
 
     def loss_fn(params, frozen, batch):
-        tokens = batch["tokens"]  # [B, T]
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
-                                     tokens.shape)  # [B, T]
-        cache = draft.init_cache(tokens.shape[0], tokens.shape[1])
-        x = draft.embed(params, tokens)  # [B, T, D]
-        x, _ = draft.run_layers(params, x, positions, cache, 0, draft.config.num_layers)
+        x = window_hidden(draft, params, batch["tokens"])  # [B, T, D]
         vocab = frozen.get("vocab")
         logits = head_logits(draft, params, x, vocab)  # [B, T, V or V_d]
         teacher = head_logits(target, frozen, batch["hidden"].astype(jnp.float32),

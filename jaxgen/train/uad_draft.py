@@ -42,6 +42,7 @@ import numpy as np
 from .batches import pick
 from .loop import TrainConfig, add_run_arguments, mean_metrics, train
 from .optim import OptimConfig
+from .standalone_draft import window_hidden
 
 
 @dataclasses.dataclass
@@ -99,11 +100,7 @@ def make_loss(draft):
 
     def loss_fn(params, frozen, batch):
         tokens = batch["tokens"]  # [B, T]
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
-                                     tokens.shape)  # [B, T]
-        cache = draft.init_cache(tokens.shape[0], tokens.shape[1])
-        x = draft.embed(params, tokens)  # [B, T, D]
-        x, _ = draft.run_layers(params, x, positions, cache, 0, draft.config.num_layers)
+        x = window_hidden(draft, params, tokens)  # [B, T, D]
         log_q = jax.nn.log_softmax(draft.head(params, x).astype(jnp.float32), -1)  # [B, T, V]
         nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # [B, T]
         ce = -jnp.take_along_axis(log_q, nxt[..., None], axis=-1)[..., 0]  # [B, T]
