@@ -10,7 +10,7 @@ program by what determines it, computed without tracing:
   * every dynamic argument's tree structure (with its static aux data: the config's static
     fields, the model's config), shapes, dtypes, weak types and shardings,
   * jax and jaxlib versions, the backend and its devices, every jax config value (but
-    cache and logging settings) and $XLA_FLAGS / $LIBTPU_INIT_ARGS,
+    cache and logging settings) and $XLA_FLAGS / $LIBTPU_INIT_ARGS / $JAXGEN_LAYER_LAYOUT,
   * a hash of jaxgen's own source files (the program is the code's output).
 
 The static parts are pickled to be hashed. A call whose static parts reference code outside
@@ -63,7 +63,7 @@ SUFFIX = ".exe"
 TRUSTED_MODULES = ("jaxgen", "jax", "jaxlib", "numpy", "ml_dtypes", "builtins", "copyreg",
                    "collections", "functools", "operator", "enum", "_codecs", "types",
                    "dataclasses")
-ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXGEN_LAYER_LAYOUT")
 
 _STORE: "ExecutableStore | None" = None
 _SOURCE_HASH: list[str] = []

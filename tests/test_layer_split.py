@@ -56,3 +56,37 @@ def test_split_is_the_unstacked_layout():
     assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure(unstacked)
     assert is_stacked(params) and not is_stacked(unstacked)
     assert split_layers(unstacked) is unstacked
+
+
+def _generate_counting_splits(monkeypatch, layout, max_new_tokens):
+    """generate() on a tiny Llama with $JAXGEN_LAYER_LAYOUT=layout: (tokens, split calls)."""
+    import jaxgen
+    from jaxgen.models import layer_split
+
+    calls = []
+    real = layer_split.split_layers
+    monkeypatch.setattr(layer_split, "split_layers", lambda p: calls.append(1) or real(p))
+    monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
+    model, params = tiny_llama(num_layers=3, intermediate_size=40)
+    cfg = jaxgen.GenerationConfig(max_new_tokens=max_new_tokens)
+    out = jaxgen.generate(params, jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg), cfg)
+    return out, len(calls)
+
+
+def test_generate_decodes_split_weights_by_default_on_cpu(monkeypatch):
+    # the setting is read when a program is traced: distinct lengths trace distinct programs
+    split, split_calls = _generate_counting_splits(monkeypatch, "auto", 5)
+    stacked, stacked_calls = _generate_counting_splits(monkeypatch, "stacked", 6)
+    assert split_calls == 1 and stacked_calls == 0
+    for row, length in enumerate(split.lengths.tolist()):  # the same first 5 new tokens
+        assert jnp.array_equal(split.sequences[row, :length], stacked.sequences[row, :length])
+
+
+def test_a_bad_layout_setting_names_the_variable_and_the_choices(monkeypatch):
+    import pytest
+
+    from jaxgen.models.layer_split import layout_setting
+
+    monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", "fused")
+    with pytest.raises(ValueError, match=r"JAXGEN_LAYER_LAYOUT='fused'.*auto, stacked, split"):
+        layout_setting()
