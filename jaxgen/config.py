@@ -117,6 +117,16 @@ HF_DEFAULTS: dict[str, Any] = {
     # model (the per-row draft length moves inside [1, K_max] under the "heuristic"
     # schedules). None: num_assistant_tokens. Static.
     "max_assistant_tokens": None,
+    # jaxgen-specific: assisted decoding drafts only where a cost model says it pays and
+    # otherwise takes plain one-token target steps (jaxgen.speculative.fallback); greedy
+    # tokens are unchanged and sampling stays exact. False: every row drafts every round (HF).
+    # `assistant_verify_cost` = (fixed, per_draft): a round verifying k >= 1 drafts costs
+    # 1 + fixed + per_draft * k one-token target steps ((0.5, 0.12): SmolLM2-135M on 2 CPU
+    # cores). `assistant_probe_interval`: rounds before a row that stopped drafting tries
+    # again (doubling after each failed try). Static.
+    "assistant_fallback": True,
+    "assistant_verify_cost": (0.5, 0.12),
+    "assistant_probe_interval": 8,
     # Classifier-free guidance (Hugging Face's UnbatchedClassifierFreeGuidanceLogitsProcessor,
     # jaxgen.guidance): a finite float, one or one per row; None or 1 is off. Dynamic (a new
     # value never recompiles; whether guidance runs at all is part of the program). The
@@ -126,7 +136,9 @@ HF_DEFAULTS: dict[str, Any] = {
 
 # Fields of HF_DEFAULTS that Hugging Face's GenerationConfig does not have.
 JAXGEN_FIELDS = frozenset({"presence_penalty", "frequency_penalty", "filter_impl",
-                           "max_assistant_tokens", "prompt_ignore_length"})
+                           "max_assistant_tokens", "prompt_ignore_length",
+                           "assistant_fallback", "assistant_verify_cost",
+                           "assistant_probe_interval"})
 
 # Hugging Face fields jaxgen accepts only at their default (HF_DEFAULTS) for now: name ->
 # the feature they belong to. An issue that implements one removes it from here.
@@ -431,6 +443,7 @@ class GenerationConfig:
         check_float("assistant_confidence_threshold", self.assistant_confidence_threshold,
                     low=0.0, high=1.0, allowed="a float in [0, 1] (0 disables it)")
         check_int("assistant_early_exit", self.assistant_early_exit, low=1, allow_none=True)
+        config_checks.validate_fallback_fields(self)
         if self.assistant_early_exit is not None and self.num_beams > 1:
             raise ValueError(f"self-speculative early exit (`assistant_early_exit`="
                              f"{self.assistant_early_exit}) does not support beam search "

@@ -264,3 +264,29 @@ def validate_processor_ids(cfg, vocab_size: int) -> None:
     for name in ("suppress_tokens", "begin_suppress_tokens"):
         if getattr(cfg, name) is not None:
             check(name, list(getattr(cfg, name)), getattr(cfg, name))
+
+
+def validate_fallback_fields(cfg) -> None:
+    """The plain-step fallback of assisted decoding (jaxgen.speculative.fallback); stores
+    `assistant_verify_cost` as a tuple of two floats (a static, hashable field).
+
+    Example:
+        >>> from jaxgen import GenerationConfig
+        >>> GenerationConfig(assistant_verify_cost=[0, 1]).assistant_verify_cost
+        (0.0, 1.0)
+        >>> GenerationConfig(assistant_verify_cost=0.5)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: `assistant_verify_cost` must be a pair (fixed, per_draft) ...
+    """
+    check_bool("assistant_fallback", cfg.assistant_fallback)
+    check_int("assistant_probe_interval", cfg.assistant_probe_interval, low=1,
+              allowed="an int >= 1 (rounds before a row that stopped drafting tries again)")
+    cost = cfg.assistant_verify_cost
+    allowed = ("a pair (fixed, per_draft) of floats >= 0: a round verifying k >= 1 drafts "
+               "costs 1 + fixed + per_draft * k one-token target steps, e.g. (0.5, 0.12)")
+    if (isinstance(cost, (str, bytes, dict)) or not hasattr(cost, "__len__") or len(cost) != 2
+            or any(isinstance(v, (bool, np.bool_)) or np.ndim(v) != 0 for v in cost)):
+        raise ValueError(f"`assistant_verify_cost` must be {allowed}, got {cost!r}")
+    for value in cost:
+        check_float("assistant_verify_cost", value, low=0.0, allowed=allowed, shown=repr(cost))
+    object.__setattr__(cfg, "assistant_verify_cost", (float(cost[0]), float(cost[1])))

@@ -184,6 +184,8 @@ class Drafter(Protocol):
             the round's verify forward over tokens [B, k+1] at positions [B, k+1], for a
             drafter that already computed part of it (shared compute, e.g. early exit runs
             only the layers after its exit); without it the target's full forward runs
+        fallback (class attribute, default True): False when the drafter's proposals come
+            from outside the loop (UAD's host), so the plain-step fallback stays off
 
     Building one is the plan's job (jaxgen.plan): each kind has a classmethod
     `from_request(cfg, target_model, assistant) -> (drafter, draft_params) | None` that

@@ -138,7 +138,8 @@ def test_hf_generate_use_mtp_gives_the_same_tokens_and_rounds(tmp_path, depths):
     hf = hf_with_mtp(pair, tmp_path)
     prompt, new = [5, 3, 7, 1, 9], 24
     hf_tokens, hf_accepted = _hf_rounds(hf, prompt, new)
-    tokens, accepted = _jaxgen_rounds(pair, prompt, new)
+    # HF drafts every round: its round structure is jaxgen's without the plain-step fallback
+    tokens, accepted = _jaxgen_rounds(pair, prompt, new, assistant_fallback=False)
     assert tokens == hf_tokens
     assert 0 < sum(accepted) < depths * len(accepted)  # accepted and rejected drafts
     # HF sees a round's matches at the start of the next round: all but the last compare

@@ -383,7 +383,8 @@ def test_verify_width_follows_the_longest_draft():
     assert int(spec.verified_positions) == int(np.asarray(spec.rounds).max())
     cfg = BASE.replace(max_new_tokens=12, eos_token_id=None, pad_token_id=None)
     ref, _ = _ids(PARAMS, PROMPTS[:1], cfg)
-    got, out = _ids(PARAMS, PROMPTS[:1], cfg.replace(num_assistant_tokens=4),
+    got, out = _ids(PARAMS, PROMPTS[:1], cfg.replace(num_assistant_tokens=4,
+                                                     assistant_fallback=False),
                     assistant_model=(MODEL, PARAMS))  # the target as its own draft
     assert got == ref
     spec = out.speculative
@@ -395,7 +396,8 @@ def test_verify_width_follows_the_longest_draft():
 def test_prompt_lookup_heuristic_schedule_shrinks_failing_rows():
     """A row whose lookups keep failing drafts fewer tokens under "heuristic"; greedy output
     is unchanged and the verify forwards get narrower."""
-    cfg = BASE.replace(max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=7)
+    cfg = BASE.replace(max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=7,
+                       assistant_fallback=False)  # the schedule alone (no plain steps)
     ref, const = _ids(PARAMS, PROMPTS, cfg)
     got, adapt = _ids(PARAMS, PROMPTS, cfg.replace(num_assistant_tokens_schedule="heuristic"))
     assert got == ref

@@ -24,8 +24,17 @@ and a round runs in the smallest bucket >= k_max. When prompt lookup finds nothi
 is a one-position forward; when the schedule shrinks every row's draft the forward shrinks
 with it. Nested while loops keep the KV cache in place, where a `lax.cond` / `lax.switch`
 over forwards of different widths makes XLA copy the whole cache every round (35 ms for
-SmolLM2 at batch 8 here). The width never cuts a row's drafts, so a row's output does not
-depend on the other rows of the batch.
+SmolLM2 at batch 8 here). The width never cuts a row's drafts when sampling, so a sampled
+row's output does not depend on the other rows of the batch (the greedy fallback below may
+cut them, which never changes greedy tokens).
+
+Plain steps (`assistant_fallback`, on by default; jaxgen.speculative.fallback). Before the
+drafts are proposed, a row whose running acceptance estimate says drafting does not pay is
+asked for no drafts (a row that stopped probes again now and then); after they are proposed,
+a greedy batch cuts every row's drafts to the width that minimises its projected time to
+finish, 0 meaning a plain one-token step (the one-position bucket). Only drafts change, so
+greedy tokens are plain greedy's and sampling stays exact; the carry holds the estimates
+(dynamic state: no new program).
 
 Sampling keys: the round key of row b is fold_in(row_key[b], L) (a row's L is different every
 round), split by tag into draft draws (0), acceptance uniforms (1) and the fix draw (2): a row's
@@ -47,6 +56,7 @@ from jaxgen.decode import choose_and_write
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.output import GenerateOutput, StepRecord
 from jaxgen.speculative import verify
+from jaxgen.speculative.fallback import FallbackState, choose_width, gate_rows
 from jaxgen.speculative.positions import process_positions
 from jaxgen.speculative.stats import SpeculativeStats
 from jaxgen.state import DecodeState
@@ -80,6 +90,8 @@ class SpecCarry:
     pending: Optional[Proposal]  # the drafts the next round verifies (k_row already capped)
     hidden: Optional[jax.Array] = None  # [B, D] target hidden state at each row's newest
     #                                     verified position (drafters that read "hidden")
+    fallback: Optional[FallbackState] = None  # per-row acceptance estimates and probe
+    #                                           countdowns (assistant_fallback), or None
 
 
 def draft_buckets(K: int) -> tuple[int, ...]:
@@ -159,6 +171,9 @@ def propose_next(params, inputs: AssistInputs, state: DecodeState, carry: SpecCa
     limit = jnp.minimum(state.prompt_len + state.max_new, width)  # [B] row's max length
     k_cap = jnp.clip(limit - state.length - 1, 0, K)  # [B] so n + 1 never passes the budget
     k_want = jnp.where(live, jnp.minimum(carry.k_sched, k_cap), 0)  # [B]
+    fallback, asked = carry.fallback, k_want
+    if fallback is not None:  # rows whose drafts do not pay skip drafting (fallback.py)
+        k_want, _, fallback = gate_rows(fallback, k_want, live, draft_buckets(K), cfg)
     threshold = cfg.assistant_confidence_threshold  # None or <= 0: off (HF)
     request = DraftRequest(
         state=state, k_want=k_want, keys=_round_keys(state)(0), cfg=cfg, ext=ext,
@@ -173,9 +188,18 @@ def propose_next(params, inputs: AssistInputs, state: DecodeState, carry: SpecCa
     proposal, draft_state, cache = drafter.propose(inputs.draft_params, carry.draft_state,
                                                    request)
     k_row = jnp.where(live, jnp.minimum(proposal.k_row, k_want), 0)  # [B]
+    stats = carry.stats
+    if fallback is not None:
+        if not cfg.do_sample:  # the batch's verify width (0: a plain one-token step)
+            k_row = choose_width(fallback, k_row, limit - state.length, live,
+                                 draft_buckets(K), cfg)
+        held = live & (asked > 0) & (k_row == 0) & ((k_want == 0) | (proposal.k_row > 0))
+        stats = dataclasses.replace(stats, plain_steps=stats.plain_steps
+                                    + held.astype(jnp.int32))  # [B]
     proposal = dataclasses.replace(proposal, k_row=k_row)
     return state.replace(cache=cache), dataclasses.replace(carry, draft_state=draft_state,
-                                                           pending=proposal)
+                                                           pending=proposal, stats=stats,
+                                                           fallback=fallback)
 
 
 def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: SpecCarry,
@@ -266,8 +290,11 @@ def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: S
         stats = dataclasses.replace(stats, num_assistant_tokens=k_sched)
     state = state.replace(tokens=tokens, length=new_length, done=done, stop_reason=reason,
                           cache=cache, constraint=constraint)
+    fallback = carry.fallback
+    if fallback is not None:
+        fallback = fallback.observe(k_row, accepted)
     carry = dataclasses.replace(carry, draft_state=draft_state, k_sched=k_sched, stats=stats,
-                                hidden=new_hidden)
+                                hidden=new_hidden, fallback=fallback)
     verified = (hidden, length - 1) if "hidden_states" in drafter.reads else None
     state, carry = propose_next(params, inputs, state, carry, cfg, drafter, ext, verified)
     return state, carry, record
@@ -301,8 +328,11 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
     stats = SpeculativeStats.zeros(batch, K, start)
     if draft_state is not None:
         stats = dataclasses.replace(stats, draft_forwards=jnp.int32(1))
+    fallback = None
+    if cfg.assistant_fallback and getattr(drafter, "fallback", True):
+        fallback = FallbackState.start(batch, cfg.assistant_probe_interval)
     carry = SpecCarry(draft_state=draft_state, k_sched=start, stats=stats, pending=None,
-                      hidden=hidden)
+                      hidden=hidden, fallback=fallback)
     state, carry = propose_next(params, inputs, state, carry, cfg, drafter, ext, verified)
     return state, carry, record
 

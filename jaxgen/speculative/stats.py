@@ -30,6 +30,9 @@ class SpeculativeStats:
     draft_forwards     int32 []      draft-model forwards (prefill included; 0 for prompt lookup)
     num_assistant_tokens int32 [B]   the draft length the next call should start from
                                      (changed only by the "heuristic" schedule, as in HF)
+    plain_steps        int32 [B]     rounds in which the row could have drafted but took a
+                                     plain one-token step: its drafts did not pay
+                                     (`assistant_fallback`, jaxgen.speculative.fallback)
     """
 
     rounds: jax.Array
@@ -41,6 +44,7 @@ class SpeculativeStats:
     verified_positions: jax.Array
     draft_forwards: jax.Array
     num_assistant_tokens: jax.Array
+    plain_steps: jax.Array = None
 
     @classmethod
     def zeros(cls, batch: int, K: int, start: jax.Array) -> "SpeculativeStats":
@@ -50,7 +54,7 @@ class SpeculativeStats:
                    position_accepted=jnp.zeros((batch, K), jnp.int32),
                    target_forwards=jnp.int32(1), verified_positions=jnp.int32(0),
                    draft_forwards=jnp.int32(0),
-                   num_assistant_tokens=start)
+                   num_assistant_tokens=start, plain_steps=z)
 
     @property
     def mean_accepted(self) -> jax.Array:

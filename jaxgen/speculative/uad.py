@@ -151,6 +151,7 @@ class UadDrafter:
     buffer_ratio: int = BUFFER_RATIO
     scheduled: ClassVar[bool] = True
     reads: ClassVar[frozenset] = frozenset()
+    fallback: ClassVar[bool] = False  # the host proposes: no plain-step fallback
     host_rounds: ClassVar[bool] = True  # jaxgen.plan: run it with the UAD host driver
 
     @classmethod
