@@ -7,8 +7,9 @@ jaxgen/train/data/prompts_heldout.jsonl, never used in training):
   * greedy speed-up, batch 1 (outputs compared with plain greedy: the last column);
   * sampling speed-up at T=0.7, batch 1 (tokens/s against plain sampling);
   * greedy speed-up, batch 8, in tokens/s (outputs compared likewise).
-Methods: the MTP drafter (smollm2-135m-instruct-mtp-drafter), the standalone draft (full
-vocabulary, and its pruned draft vocabulary), early exit at the adapter's layer (with the
+Methods: the MTP drafter (smollm2-135m-instruct-mtp-drafter), use_mtp with the MTP layer the
+default model ships (params["mtp"]), the standalone draft (full vocabulary, and its pruned
+draft vocabulary), early exit at the adapter's layer (with the
 shipped adapter, and plain), prompt lookup. With --hf, the same target weights, the same draft
 folder, the plain early exit and prompt lookup through transformers' generate() (batch 1,
 greedy), and a last table: jaxgen tokens/s against transformers tokens/s, method by method.
@@ -212,15 +213,19 @@ def methods_for(args, base, fast, with_adapter, no_adapter, exit_layer, mtp, dra
                     num_assistant_tokens_schedule="constant")
     mtp_cfg = dict(num_assistant_tokens=args.k_mtp, assistant_confidence_threshold=args.threshold,
                    num_assistant_tokens_schedule="constant")
+    layer_cfg = dict(use_mtp=True, num_assistant_tokens=args.k_mtp_layer,
+                     num_assistant_tokens_schedule="constant")
     methods = {
         "MTP drafter": (fast, base.replace(**mtp_cfg), mtp),
+        "use_mtp: MTP layer": (fast, base.replace(**layer_cfg), None),
         f"early exit E={exit_layer} + adapter": (with_adapter, base.replace(**exit_cfg), None),
         f"early exit E={exit_layer} (plain)": (no_adapter, base.replace(**exit_cfg), None),
         "draft": (fast, base.replace(**draft_cfg), draft),
         "draft, pruned vocab": (fast, base.replace(**draft_cfg), pruned),
         "prompt lookup": (fast, base.replace(prompt_lookup_num_tokens=args.k_lookup), None),
     }
-    return {k: v for k, v in methods.items() if not (k == "MTP drafter" and mtp is None)}
+    return {k: v for k, v in methods.items() if not (k == "MTP drafter" and mtp is None)
+            and not (k.startswith("use_mtp") and "mtp" not in fast)}
 
 
 def cost_table(rows, costs, args, exit_layer, model) -> None:
@@ -230,6 +235,8 @@ def cost_table(rows, costs, args, exit_layer, model) -> None:
           "predicted greedy b1 | measured |\n|---|---|---|---|---|---|---|", flush=True)
     for row in rows:
         name = row["method"]
+        if name.startswith("use_mtp"):  # no measured draft-step cost for it
+            continue
         k = (args.k_mtp if name.startswith("MTP") else args.k_lookup if "lookup" in name
              else args.k_exit if "exit" in name else args.k_draft)
         draft_cost = costs.get(name, exit_layer / model.config.num_layers)
@@ -249,6 +256,8 @@ def main() -> None:
     parser.add_argument("--k-exit", type=int, default=3)
     parser.add_argument("--k-lookup", type=int, default=4)
     parser.add_argument("--k-mtp", type=int, default=3)
+    parser.add_argument("--k-mtp-layer", type=int, default=1,
+                        help="drafts per round of use_mtp (the shipped MTP layer, 1 depth)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (median counts)")
     parser.add_argument("--greedy-only", action="store_true",
                         help="greedy batch 1 only (no sampling or batch-8 columns)")

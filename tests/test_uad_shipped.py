@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import jaxgen
-from jaxgen.models.shipped_drafters import DRAFT_NAME, UAD_DRAFT_NAME, WEIGHTS, shipped_folder
-from jaxgen.models.tokenizer import Tokenizer
+from jaxgen.models.shipped_drafters import UAD_DRAFT_NAME, WEIGHTS, default_tokenizer
 
 FOLDER = os.path.join(WEIGHTS, UAD_DRAFT_NAME)
 pytestmark = pytest.mark.skipif(not os.path.isdir(FOLDER), reason="UAD draft not shipped")
@@ -26,7 +25,7 @@ def uad_draft():
 
 def test_loads_with_its_own_tokenizer_that_round_trips_text(uad_draft):
     model, params, tokenizer = uad_draft
-    smollm_tokenizer = Tokenizer.from_hf_folder(shipped_folder(DRAFT_NAME))  # SmolLM2's
+    smollm_tokenizer = default_tokenizer()  # SmolLM2's
     assert len(tokenizer) == model.vocab_size == params["embed"].shape[0]
     assert len(tokenizer) != len(smollm_tokenizer)
     assert len(tokenizer) < 10_000

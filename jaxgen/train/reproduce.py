@@ -6,6 +6,7 @@ folder when it has meta.json; training resumes from its orbax checkpoints).
     python -m jaxgen.train.reproduce exit-adapter --work /work/repro
     python -m jaxgen.train.reproduce mtp-drafter --work /work/repro
     python -m jaxgen.train.reproduce uad-draft --work /work/repro
+    python -m jaxgen.train.reproduce mtp-layer --work /work/repro
 
 Measured on this 2-core machine (shared with other jobs, load 8-18): self-distillation data
 18.5 min, draft 40 min (500 steps), exit adapter 11 min (300 steps). The MTP drafter reads
@@ -16,6 +17,11 @@ The UAD draft (its own tokenizer) reads text: the MTP drafter's answers (96 prom
 greedy answers of 160 tokens to the other 203 training prompts (uad_corpus.py); its
 tokenizer is trained on that text (uad_tokenizer.py), the draft on all but the last
 UAD_HOLDOUT rows (uad_draft.py).
+The MTP layer (use_mtp=True on the default model, mtp_layer.py) reads greedy answers of 128
+tokens to all 299 training prompts with the input states of the last layer (its eh_proj fit
+targets them): the answers took 33 min here (as two parallel halves at batch 16), the
+teacher-forced states 8 min, training 7 min (240 steps of 4 x 192 tokens, 1.7 s a step),
+at load 8-9 under nice 10 (one process at batch 32, as below: expect ~1 hour in all).
 """
 from __future__ import annotations
 
@@ -23,15 +29,16 @@ import argparse
 import os
 
 from jaxgen.models.shipped_drafters import (DRAFT_NAME, EXIT_ADAPTERS_NAME, MTP_DRAFTER_NAME,
-                                            UAD_DRAFT_NAME, WEIGHTS)
+                                            MTP_LAYER_NAME, UAD_DRAFT_NAME, WEIGHTS)
 
-from . import (distill_data, exit_adapter, mtp_drafter, standalone_draft, uad_corpus,
-               uad_draft, uad_tokenizer, vocab)
+from . import (distill_data, exit_adapter, mtp_drafter, mtp_layer, standalone_draft,
+               uad_corpus, uad_draft, uad_tokenizer, vocab)
 
 DRAFT_OUT = os.path.join(WEIGHTS, DRAFT_NAME)
 ADAPTER_OUT = os.path.join(WEIGHTS, EXIT_ADAPTERS_NAME)
 MTP_OUT = os.path.join(WEIGHTS, MTP_DRAFTER_NAME)
 UAD_OUT = os.path.join(WEIGHTS, UAD_DRAFT_NAME)
+MTP_LAYER_OUT = os.path.join(WEIGHTS, MTP_LAYER_NAME)
 UAD_PROMPTS, UAD_HOLDOUT = 0, 24  # every training prompt; the last 24 rows held out
 # 25 steps of a 150-step schedule at a low rate: the start (the standalone draft's layers,
 # rows by token string) already predicts as well on held-out rows; longer or faster runs
@@ -64,6 +71,20 @@ def prepare_mtp(work: str) -> str:
     return data
 
 
+MTP_LAYER_TRAIN_ARGS = ["--steps", "240", "--batch", "4", "--length", "192", "--lr", "3e-4",
+                        "--warmup", "15", "--checkpoint-every", "20"]
+
+
+def prepare_mtp_layer(work: str) -> str:
+    """The MTP layer's distillation data under `work` (made when missing): greedy answers to
+    every training prompt and the last layer's input states."""
+    data = os.path.join(work, "distill_mtp_layer")
+    if not os.path.isfile(os.path.join(data, "meta.json")):
+        distill_data.main(["--out", data, "--samples", "0", "--new-tokens", "128",
+                           "--batch", "32", "--exits", "29"])
+    return data
+
+
 def prepare_uad(work: str) -> tuple[str, str]:
     """The UAD draft's text corpus and tokenizer under `work` (made when missing)."""
     corpus = os.path.join(work, "uad_corpus.jsonl")
@@ -78,7 +99,8 @@ def prepare_uad(work: str) -> tuple[str, str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("drafter", choices=("draft", "exit-adapter", "mtp-drafter", "uad-draft"))
+    parser.add_argument("drafter", choices=("draft", "exit-adapter", "mtp-drafter", "uad-draft",
+                                                "mtp-layer"))
     parser.add_argument("--work", required=True, help="data and checkpoints (outside the repo)")
     parser.add_argument("--out", default=None, help="where to write (default: the shipped place)")
     args = parser.parse_args(argv)
@@ -88,6 +110,14 @@ def main(argv=None) -> None:
             "--vocab", os.path.join(WEIGHTS, DRAFT_NAME, "draft_vocab.json"),
             "--ckpt", os.path.join(args.work, "ckpt_mtp"), "--out", args.out or MTP_OUT,
             *MTP_TRAIN_ARGS])
+        return
+    if args.drafter == "mtp-layer":
+        mtp_layer.main([
+            "--data", prepare_mtp_layer(args.work),
+            "--vocab", os.path.join(WEIGHTS, DRAFT_NAME, "draft_vocab.json"),
+            "--ckpt", os.path.join(args.work, "ckpt_mtp_layer"),
+            "--out", args.out or MTP_LAYER_OUT,
+            *MTP_LAYER_TRAIN_ARGS])
         return
     if args.drafter == "uad-draft":
         corpus, tokenizer = prepare_uad(args.work)

@@ -124,7 +124,7 @@ def main(argv=None) -> None:
     from .export import save_draft_folder
 
     started = time.time()
-    target, target_params, tokenizer = load(args.target)
+    target, target_params, _ = load(args.target)
     draft = Llama(draft_config(target.config, args.hidden, args.layers,
                                intermediate=args.intermediate))
     params = init_draft(jax.random.key(args.seed), draft, target_params["embed"])
@@ -151,7 +151,8 @@ def main(argv=None) -> None:
             "args": vars(args), "heldout": heldout,
             "last": history[-1] if history else None,
             "seconds_this_run": round(time.time() - started)}
-    save_draft_folder(draft, params, tokenizer, args.out, info, args.dtype)
+    # no tokenizer files: the draft shares the target's (load_shipped_draft reads the GGUF's)
+    save_draft_folder(draft, params, None, args.out, info, args.dtype)
     if vocab is not None:
         with open(os.path.join(args.out, "draft_vocab.json"), "w", encoding="utf-8") as f:
             json.dump(vocab, f)
