@@ -103,7 +103,9 @@ def assisted_cases(model, params, with_adapter):
     """name -> (params, cfg): assisted decoding (K = 1 keeps the programs small); early exit
     on the unstacked layout with an exit adapter in the params."""
     g = jaxgen.GenerationConfig
-    return {"prompt_lookup": (params, g(**BASE, prompt_lookup_num_tokens=1)),
+    # the plain-step fallback would stop a random model's failing lookups: keep them drafting
+    return {"prompt_lookup": (params, g(**BASE, prompt_lookup_num_tokens=1,
+                                        assistant_fallback=False)),
             "early_exit_unstacked_sampling": (
                 unstack_layers(model, with_adapter),
                 g(**BASE, do_sample=True, assistant_early_exit=1, num_assistant_tokens=1))}
