@@ -373,7 +373,9 @@ def _one_line(text: str) -> str:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    layout_before = os.environ.get("JAXGEN_LAYER_LAYOUT")  # load_model may set it
+    from jaxgen.models.layer_split import LAYOUT_VARIABLE
+
+    layout_before = os.environ.get(LAYOUT_VARIABLE)  # load_model may set it
     try:
         if argv is None and len(sys.argv) == 1 and sys.stdin.isatty():
             build_parser().print_help()
@@ -396,9 +398,9 @@ def main(argv=None) -> int:
         if stored is not None:  # in-process callers (tests) get plain jit calls back
             stored.disable()
         if layout_before is None:  # and the layer layout setting they had
-            os.environ.pop("JAXGEN_LAYER_LAYOUT", None)
+            os.environ.pop(LAYOUT_VARIABLE, None)
         else:
-            os.environ["JAXGEN_LAYER_LAYOUT"] = layout_before
+            os.environ[LAYOUT_VARIABLE] = layout_before
         if argv is None:  # the command: the process exits next. Frozen objects are not
             gc.freeze()   # traversed by the collections at exit (~0.4 CPU-s less, measured)
 

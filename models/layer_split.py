@@ -15,8 +15,9 @@ forward's (every slice is a kernel of its own).
 backend jaxgen's Llama runs split weights by default, the layout measured fastest there (batch 1
 about 1.4x faster per step, equal from batch 2 on), at a longer compile for batch-1 programs
 (XLA:CPU emits a matrix-vector kernel per layer matrix). $JAXGEN_LAYER_LAYOUT chooses: "auto"
-(the default: split on a single CPU device, stacked elsewhere), "stacked" (shortest compile)
-or "split".
+(the default: split on a single CPU device when the layer weights fill at least
+`SPLIT_MIN_BYTES`, stacked elsewhere: small models' steps are bound by per-op overhead, not by
+weight reads, so they keep the scan's short compile), "stacked" (shortest compile) or "split".
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -39,6 +40,7 @@ import jax
 
 LAYOUT_VARIABLE = "JAXGEN_LAYER_LAYOUT"
 LAYOUTS = ("auto", "stacked", "split")
+SPLIT_MIN_BYTES = 16 << 20  # "auto" splits layer weights of at least this many bytes
 
 
 def is_stacked(params) -> bool:
@@ -70,25 +72,37 @@ def layout_setting() -> str:
     return setting
 
 
+def _layer_bytes(params) -> int:
+    """Bytes of the stacked layer weights (params["layers"])."""
+    return sum(leaf.size * leaf.dtype.itemsize
+               for leaf in jax.tree_util.tree_leaves(params["layers"]))
+
+
 def for_decoding(model, params):
     """The params a compiled generate call runs: `split_layers(params)` for jaxgen's Llama with
-    stacked layers when the layout setting is "split", or "auto" on a single CPU device; params
-    unchanged otherwise (other models, per-layer params; under "auto" accelerators and meshes).
+    stacked layers when the layout setting is "split", or "auto" on a single CPU device with at
+    least SPLIT_MIN_BYTES of layer weights; params unchanged otherwise (other models, per-layer
+    params; under "auto" small models, accelerators and meshes).
 
     Example:
         >>> from jaxgen.models import tiny_llama
-        >>> model, params = tiny_llama()
-        >>> decoded = for_decoding(model, params)      # this machine's backend is the CPU
+        >>> model, params = tiny_llama()               # a few KB of weights
+        >>> for_decoding(model, params) is params      # "auto": too small to gain, stays stacked
+        True
+        >>> import os; os.environ[LAYOUT_VARIABLE] = "split"
+        >>> decoded = for_decoding(model, params)
         >>> is_stacked(params), is_stacked(decoded)
         (True, False)
         >>> for_decoding(None, params) is params       # not a jaxgen Llama: left as it is
         True
+        >>> del os.environ[LAYOUT_VARIABLE]
     """
     from jaxgen.models.llama import Llama
 
     setting = layout_setting()
     if setting == "stacked" or not isinstance(model, Llama) or not is_stacked(params):
         return params
-    if setting == "auto" and (jax.default_backend() != "cpu" or jax.device_count() > 1):
-        return params  # accelerators, and CPU meshes (a test device's emulation), keep the scan
+    if setting == "auto" and (jax.default_backend() != "cpu" or jax.device_count() > 1
+                              or _layer_bytes(params) < SPLIT_MIN_BYTES):
+        return params  # accelerators, CPU meshes (a test device's emulation), small models
     return split_layers(params)

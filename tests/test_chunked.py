@@ -110,6 +110,7 @@ def test_iterator_streamer_on_a_worker_thread_and_early_stop(smollm2):
     assert new_tokens < 200
 
 
+@pytest.mark.slow
 def test_async_streamer_inside_an_event_loop(smollm2):
     model, params, tokenizer = smollm2
     row = tokenizer.apply_chat_template([{"role": "user", "content": "Name two colors."}])
@@ -139,6 +140,7 @@ def test_stop_event_cancels_between_chunks():
     assert int(out.stop_reason[0]) == stopping.CANCELLED
 
 
+@pytest.mark.slow
 def test_max_time_stops_within_one_chunk(smollm2):
     model, params, tokenizer = smollm2
     row = tokenizer.apply_chat_template([{"role": "user", "content": "Tell a long story."}])
@@ -222,6 +224,7 @@ def test_smollm2_prompt_lookup_streams_the_same_text(smollm2):
     assert "".join(pieces) == tokenizer.decode(single[len(row):])
 
 
+@pytest.mark.slow
 def test_growing_cache_streams_through_the_same_driver():
     from jaxgen.models import Llama, LlamaConfig
 

@@ -288,6 +288,7 @@ def test_a_runtime_error_is_one_line(tiny_model, tmp_path, capsys, monkeypatch):
     assert one_error_line(err).endswith("RuntimeError: XLA says: something went wrong")
 
 
+@pytest.mark.slow
 def test_sampled_results_do_not_depend_on_the_batch_size(tiny_model, tmp_path, capsys):
     source = write_records(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
     outputs = []

@@ -66,6 +66,7 @@ def test_exit_at_the_last_layer_accepts_every_draft():
                                                    RAGGED).sequences)
 
 
+@pytest.mark.slow
 def test_an_exit_adapter_changes_the_drafts_not_the_output():
     plain = run(jaxgen.GenerationConfig(max_new_tokens=16), RAGGED)
     cfg = jaxgen.GenerationConfig(max_new_tokens=16, assistant_early_exit=1)
@@ -108,6 +109,7 @@ def test_bad_early_exit_input_fails_before_compiling(fields, needle):
     assert jaxgen.trace_count() == before
 
 
+@pytest.mark.slow
 def test_one_compile_per_bucket_and_the_chunked_driver():
     cfg = jaxgen.GenerationConfig(max_new_tokens=12, assistant_early_exit=2)
     first = run(cfg, [[1, 2, 3]])
@@ -120,6 +122,7 @@ def test_one_compile_per_bucket_and_the_chunked_driver():
     assert first.sequences.shape == second.sequences.shape
 
 
+@pytest.mark.slow
 def test_the_ensemble_with_an_exact_draft_is_plain_greedy():
     cfg = jaxgen.GenerationConfig(max_new_tokens=12, assistant_early_exit=3,
                                   assistant_ensemble_weight=0.5)
@@ -127,6 +130,7 @@ def test_the_ensemble_with_an_exact_draft_is_plain_greedy():
                                 run(jaxgen.GenerationConfig(max_new_tokens=12), RAGGED).sequences)
 
 
+@pytest.mark.slow
 def test_sampled_rows_do_not_depend_on_the_batch():
     cfg = jaxgen.GenerationConfig(max_new_tokens=12, do_sample=True, temperature=0.9,
                                   assistant_early_exit=1, num_assistant_tokens=3)
@@ -139,7 +143,7 @@ def test_sampled_rows_do_not_depend_on_the_batch():
 
 
 # ------------------------------------------------------------------------- losslessness
-@pytest.mark.parametrize("exit_layer", [1, 3])
+@pytest.mark.parametrize("exit_layer", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_sampling_is_lossless(exit_layer):
     model, params = tiny_llama(seed=9, num_layers=3, vocab_size=SMALL_V)
     params = {**params, "embed": params["embed"] * 4.0}  # a peaked, context-dependent model

@@ -75,11 +75,26 @@ def _generate_counting_splits(monkeypatch, layout, max_new_tokens):
 
 def test_generate_decodes_split_weights_by_default_on_cpu(monkeypatch):
     # the setting is read when a program is traced: distinct lengths trace distinct programs
+    from jaxgen.models import layer_split
+
+    small, small_calls = _generate_counting_splits(monkeypatch, "auto", 4)
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)  # as if the tiny model were large
     split, split_calls = _generate_counting_splits(monkeypatch, "auto", 5)
     stacked, stacked_calls = _generate_counting_splits(monkeypatch, "stacked", 6)
-    assert split_calls == 1 and stacked_calls == 0
+    assert small_calls == 0 and split_calls == 1 and stacked_calls == 0
     for row, length in enumerate(split.lengths.tolist()):  # the same first 5 new tokens
         assert jnp.array_equal(split.sequences[row, :length], stacked.sequences[row, :length])
+
+
+def test_auto_splits_only_layer_weights_large_enough_to_gain():
+    from jaxgen.models import layer_split
+
+    model, params = tiny_llama()
+    assert layer_split._layer_bytes(params) < layer_split.SPLIT_MIN_BYTES
+    assert layer_split.for_decoding(model, params) is params
+    big = dict(params, layers={"wq": jnp.zeros((2, 2048, 2048), jnp.float32)})  # 32 MiB
+    assert layer_split._layer_bytes(big) == 2 * 2048 * 2048 * 4
+    assert not layer_split.is_stacked(layer_split.for_decoding(model, big))
 
 
 def test_a_bad_layout_setting_names_the_variable_and_the_choices(monkeypatch):

@@ -1,7 +1,7 @@
 """The notebooks in notebooks/ run top to bottom (nbclient, a fresh kernel each) and say what
 they should; in git they are stored without outputs.
 
-The quickstart and the vmap sweep run in the default suite; the speculative explorer and the
+The quickstart runs in the default suite; the vmap sweep, the speculative explorer and the
 sharding walkthrough (several SmolLM2 compiles each, one on 6 simulated devices) are slow.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ EXPECTED = {  # notebook -> texts its outputs must contain
     "04_sharding.ipynb": ["same tokens as one device: True", "programs compiled: 2",
                           "num_heads (9)", "0.33 of it per device"],
 }
-SLOW = {"03_speculative_explorer.ipynb", "04_sharding.ipynb"}
+SLOW = {"02_vmap_sweep.ipynb", "03_speculative_explorer.ipynb", "04_sharding.ipynb"}
 
 
 def _require(module: str):

@@ -170,7 +170,7 @@ def test_a_drafter_kind_is_one_module_and_one_plan_entry(monkeypatch):
 @pytest.mark.parametrize("chunk", [1, 5, 16])
 @pytest.mark.parametrize("mode, hooks", [
     (dict(), dict()), (dict(num_beams=2), dict()), (dict(prompt_lookup_num_tokens=3), dict()),
-    (dict(), dict(assistant_model=(MODEL, PARAMS))),
+    pytest.param(dict(), dict(assistant_model=(MODEL, PARAMS)), marks=pytest.mark.slow),
     (dict(cache_implementation="quantized", cache_config={"residual_length": 4}), dict()),
     (dict(cache_implementation="sliding_window", cache_config={"sliding_window": 6}), dict()),
 ])

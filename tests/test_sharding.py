@@ -94,6 +94,7 @@ def test_bad_sizes_are_clear_errors(default_runs):
         assert checks[name]["ok"], checks[name]
 
 
+@pytest.mark.slow
 def test_a_constraint_matches_one_device_with_its_automaton_placed():
     """(2, 4): a compiled token automaton gives one device's tokens; its tables are whole on
     every device and each row's automaton state sits with its row."""
