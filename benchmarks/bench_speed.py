@@ -1,6 +1,7 @@
-"""Decode speed against the floors and the peers: jaxgen as `load()` returns it (stacked layers),
-after `unstack_layers`, with int8 weights (`load(weights="int8")`), transformers (torch CPU,
-fp32, same weights) and llama.cpp (llama-cpp-python, when installed: the shipped Q4_1 GGUF and
+"""Decode speed against the floors and the peers: jaxgen as `load()` returns it (stacked layers,
+split per call on CPU), the stacked scan kept ($JAXGEN_LAYER_LAYOUT=stacked), after
+`unstack_layers`, with int8 weights (`load(weights="int8")`), transformers (torch CPU, fp32,
+same weights) and llama.cpp (llama-cpp-python, when installed: the shipped Q4_1 GGUF and
 an F32 GGUF written from the same weights), batch 1 and 8, plus a per-piece profile of one
 decode step. Everything in one run; medians of repeats; ratios within the run.
 
@@ -24,6 +25,7 @@ import numpy as np
 
 import jaxgen
 from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
+from jaxgen.models.layer_split import LAYOUT_VARIABLE
 from jaxgen.models.quantize import quantize_params
 from jaxgen.step import choose, forward_last, state_context
 
@@ -63,13 +65,26 @@ def matmul_params(model) -> int:
 
 
 # --------------------------------------------------------------------------- systems
-def jaxgen_ms_per_token(model, params, prompts, new_tokens, repeats) -> tuple[float, float]:
-    """(median seconds per decode step over the whole call, first-call compile seconds)."""
+def jaxgen_ms_per_token(model, params, prompts, new_tokens, repeats,
+                        layout: str = "auto") -> tuple[float, float]:
+    """(median seconds per decode step over the whole call, first-call compile seconds), with
+    $JAXGEN_LAYER_LAYOUT = `layout` while the program is traced (compiled programs are dropped
+    first: the setting is not part of jit's own cache key)."""
     cfg = jaxgen.GenerationConfig(max_new_tokens=new_tokens, pad_token_id=0)  # no EOS
     run = lambda: jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg),  # noqa: E731
                                   cfg).sequences.block_until_ready()
-    first = _timed(run)
-    times = [_timed(run) for _ in range(repeats)]
+    before = os.environ.get(LAYOUT_VARIABLE)
+    os.environ[LAYOUT_VARIABLE] = layout
+    jax.clear_caches()
+    try:
+        first = _timed(run)
+        times = [_timed(run) for _ in range(repeats)]
+    finally:
+        if before is None:
+            del os.environ[LAYOUT_VARIABLE]
+        else:
+            os.environ[LAYOUT_VARIABLE] = before
+        jax.clear_caches()
     return float(np.median(times)) / new_tokens, first - float(np.median(times))
 
 
@@ -243,17 +258,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--profile-only", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
-    parser.add_argument("--layouts", default="0123",
-                        help="which jaxgen rows: 0 stacked, 1 unstacked, 2 int8, 3 int8 unstacked")
+    parser.add_argument("--layouts", default="01234",
+                        help="which jaxgen rows: 0 load() as it is, 1 stacked scan, "
+                             "2 unstacked, 3 int8, 4 int8 unstacked")
     args = parser.parse_args()
 
     model, stacked, tokenizer = load(DEFAULT_MODEL)
     unstacked = unstack_layers(model, stacked)
     int8 = quantize_params(model.config, stacked)
-    layouts = {"jaxgen load() (stacked)": stacked, "jaxgen unstack_layers": unstacked,
-               "jaxgen int8 (stacked)": int8, "jaxgen int8 unstacked":
-               quantize_params(model.config, unstacked)}
-    layouts = {name: p for index, (name, p) in enumerate(layouts.items())
+    layouts = {"jaxgen load() as it is (split per call)": (stacked, "auto"),
+               "jaxgen stacked scan (LAYOUT=stacked)": (stacked, "stacked"),
+               "jaxgen unstack_layers": (unstacked, "auto"),
+               "jaxgen int8 (split per call)": (int8, "auto"),
+               "jaxgen int8 unstacked": (quantize_params(model.config, unstacked), "auto")}
+    layouts = {name: entry for index, (name, entry) in enumerate(layouts.items())
                if str(index) in args.layouts}
     bandwidth = measure_bandwidth()
     flops = measure_matmul_flops()
@@ -268,8 +286,8 @@ def main() -> None:
             floor = fp32_bytes / (bandwidth * 1e9) * 1e3
             print(f"\nProfile, batch {batch}, ms per decode step (median of repeats); fp32 "
                   f"bandwidth floor {floor:.2f} ms:\n")
-            for index, (name, p) in enumerate(layouts.items()):
-                result = profile_pieces(model, p, batch)
+            for index, (name, (p, _)) in enumerate(layouts.items()):
+                result = profile_pieces(model, p, batch)  # forward_last as given: no split
                 if index == 0:
                     print(table_header("layout", *result, numeric=True))
                 print(table_row(name, *(f"{v:.2f}" for v in result.values())), flush=True)
@@ -297,9 +315,9 @@ def main() -> None:
         rows = []
         hf_s = transformers_ms_per_token(hf, prompts, args.new_tokens, args.repeats)
         rows.append(("transformers fp32", hf_s, None))
-        for name, p in layouts.items():
+        for name, (p, layout) in layouts.items():
             per_token, compile_s = jaxgen_ms_per_token(model, p, prompts, args.new_tokens,
-                                                       args.repeats)
+                                                       args.repeats, layout)
             rows.append((name, per_token, compile_s))
         if gguf_q4 is not None and batch == 1:
             for name, path in (("llama.cpp F32", gguf_f32), ("llama.cpp Q4_1", gguf_q4)):
