@@ -25,7 +25,7 @@ import numpy as np
 
 import jaxgen
 from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
-from jaxgen.models.layer_split import LAYOUT_VARIABLE
+from jaxgen.models.layer_split import layout_override
 from jaxgen.models.quantize import quantize_params
 from jaxgen.step import choose, forward_last, state_context
 
@@ -73,18 +73,11 @@ def jaxgen_ms_per_token(model, params, prompts, new_tokens, repeats,
     cfg = jaxgen.GenerationConfig(max_new_tokens=new_tokens, pad_token_id=0)  # no EOS
     run = lambda: jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg),  # noqa: E731
                                   cfg).sequences.block_until_ready()
-    before = os.environ.get(LAYOUT_VARIABLE)
-    os.environ[LAYOUT_VARIABLE] = layout
     jax.clear_caches()
-    try:
+    with layout_override(layout):
         first = _timed(run)
         times = [_timed(run) for _ in range(repeats)]
-    finally:
-        if before is None:
-            del os.environ[LAYOUT_VARIABLE]
-        else:
-            os.environ[LAYOUT_VARIABLE] = before
-        jax.clear_caches()
+    jax.clear_caches()
     return float(np.median(times)) / new_tokens, first - float(np.median(times))
 
 

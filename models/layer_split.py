@@ -33,6 +33,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 
@@ -72,6 +73,27 @@ def layout_setting() -> str:
     return setting
 
 
+@contextlib.contextmanager
+def layout_override(setting: str):
+    """$JAXGEN_LAYER_LAYOUT = `setting` inside the block, the previous value (or none) after.
+    The setting is read when a program is traced; jit's own cache does not key on it.
+
+    Example:
+        >>> with layout_override("stacked"):
+        ...     layout_setting()
+        'stacked'
+    """
+    before = os.environ.get(LAYOUT_VARIABLE)
+    os.environ[LAYOUT_VARIABLE] = setting
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LAYOUT_VARIABLE, None)
+        else:
+            os.environ[LAYOUT_VARIABLE] = before
+
+
 def _layer_bytes(params) -> int:
     """Bytes of the stacked layer weights (params["layers"])."""
     return sum(leaf.size * leaf.dtype.itemsize
@@ -89,13 +111,12 @@ def for_decoding(model, params):
         >>> model, params = tiny_llama()               # a few KB of weights
         >>> for_decoding(model, params) is params      # "auto": too small to gain, stays stacked
         True
-        >>> import os; os.environ[LAYOUT_VARIABLE] = "split"
-        >>> decoded = for_decoding(model, params)
+        >>> with layout_override("split"):
+        ...     decoded = for_decoding(model, params)
         >>> is_stacked(params), is_stacked(decoded)
         (True, False)
         >>> for_decoding(None, params) is params       # not a jaxgen Llama: left as it is
         True
-        >>> del os.environ[LAYOUT_VARIABLE]
     """
     from jaxgen.models.llama import Llama
 
