@@ -44,6 +44,7 @@ import numpy as np
 from jaxgen.cache import CACHE_KINDS, Cache, make_cache
 
 from .exit_adapter import apply_exit_adapter, exit_adapter_shapes
+from .gguf_blocks import BlockMatrix
 from .quantize import Int8Matrix
 from .mtp import MtpLayers
 from .mtp_layout import mtp_shapes
@@ -459,7 +460,7 @@ class Llama:
         if self.config.tie_word_embeddings and "lm_head" not in params:
             return jnp.einsum("bsd,vd->bsv", normed, params["embed"],
                               preferred_element_type=jnp.float32)  # [B, S, V]
-        if isinstance(params["lm_head"], Int8Matrix):  # load(weights="int8")
+        if isinstance(params["lm_head"], (Int8Matrix, BlockMatrix)):  # load(weights=...)
             return (normed @ params["lm_head"]).astype(jnp.float32)  # [B, S, V]
         return jnp.einsum("bsd,dv->bsv", normed, params["lm_head"],
                           preferred_element_type=jnp.float32)  # [B, S, V]
@@ -576,8 +577,8 @@ def unstack_layers(model: Llama, params: dict) -> dict:
     if isinstance(layers, (list, tuple)):
         return params
     count = model.config.num_layers
-    per_layer = [{name: jnp.array(array[i]) for name, array in layers.items()}
-                 for i in range(count)]
+    per_layer = [jax.tree_util.tree_map(lambda array, i=i: jnp.array(array[i]), layers)
+                 for i in range(count)]  # quantized matrices (Int8Matrix, ...) slice leafwise
     fast = dict(params, layers=per_layer)
     if "lm_head" not in fast:
         fast["lm_head"] = jnp.array(params["embed"].T)  # [D, V]

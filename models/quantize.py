@@ -27,7 +27,7 @@ Example:
     >>> check_weights("int4")
     Traceback (most recent call last):
     ...
-    ValueError: weights='int4' is not supported; allowed: 'float', 'int8'
+    ValueError: weights='int4' is not supported; allowed: 'float', 'int8', 'gguf'
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-WEIGHT_FORMATS = ("float", "int8")  # the values load(weights=...) accepts
+WEIGHT_FORMATS = ("float", "int8", "gguf")  # the values load(weights=...) accepts
 QUANTIZED_LAYER_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -121,6 +121,9 @@ def quantized_params(model, params: dict, weights: str, group: int | None = None
     Llama-family `model`; a ValueError for other models or formats."""
     if check_weights(weights) == "float":
         return params
+    if weights != "int8":
+        raise ValueError(f"weights={weights!r} keeps a GGUF file's own blocks: load it with "
+                         f"jaxgen.models.load(path_or_name, weights={weights!r})")
     if not hasattr(model, "config") or not hasattr(model.config, "tie_word_embeddings") \
             or "layers" not in params:
         raise ValueError(f"weights={weights!r} supports Llama-family models, not "

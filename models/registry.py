@@ -29,8 +29,9 @@ import os
 
 import jax.numpy as jnp
 
+from .gguf_blocks import block_params
 from .gguf_cache import load_cached
-from .gguf_checkpoint import gguf_model, open_gguf
+from .gguf_checkpoint import field, gguf_model, open_gguf
 from .gguf_tokenizer import gguf_tokenizer
 from .hf_checkpoint import load_hf_checkpoint
 from .llama import Llama
@@ -61,14 +62,16 @@ def embedded_path(name: str) -> str:
 
 
 def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None
-              ) -> tuple[Llama, dict, Tokenizer]:
-    """(model, params, tokenizer) from a GGUF file, reading it once. cache_dir: a folder
-    that keeps the converted model between runs (models/gguf_cache.py; the CLI's default)."""
+              ) -> tuple[Llama, dict, Tokenizer | None]:
+    """(model, params, tokenizer) from a GGUF file, reading it once; tokenizer is None for a
+    file without tokenizer metadata. cache_dir: a folder that keeps the converted model
+    between runs (models/gguf_cache.py; the CLI's default)."""
     if cache_dir is not None:
         return load_cached(path, dtype, cache_dir, load_gguf)
     reader = open_gguf(path)
     model, params = gguf_model(reader, path, dtype)
-    return model, params, gguf_tokenizer(reader, path)
+    has_tokenizer = field(reader, "tokenizer.ggml.model") is not None
+    return model, params, gguf_tokenizer(reader, path) if has_tokenizer else None
 
 
 def load_hf(folder: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | None]:
@@ -76,6 +79,21 @@ def load_hf(folder: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | No
     model, params = load_hf_checkpoint(folder, dtype)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
     return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
+
+
+def _load_gguf_blocks(name_or_path, dtype, cache_dir):
+    """load(..., weights="gguf"): the float load, then the file's quantized matrices as
+    BlockMatrix (the embeddings stay float for the token lookup)."""
+    name = os.fspath(name_or_path)
+    if name.lower() in _EMBEDDED:
+        path = embedded_path(name.lower())
+    elif name.lower().endswith(".gguf") and os.path.isfile(name):
+        path = name
+    else:
+        raise ValueError(f"weights='gguf' keeps a GGUF file's blocks; {name!r} is not a .gguf "
+                         f"file or an embedded GGUF model ({', '.join(sorted(_EMBEDDED))})")
+    model, params, tokenizer = load(name, dtype, cache_dir=cache_dir)
+    return model, block_params(open_gguf(path), model.config, params, path), tokenizer
 
 
 @functools.lru_cache(maxsize=4)
@@ -97,9 +115,12 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     Embedded models are cached per process (keyed by name and dtype); callers share the
     returned (immutable) arrays. cache_dir: GGUF models (embedded or a .gguf path) are kept
     converted there between processes (jaxgen.models.gguf_cache); None: read the file.
-    weights: "float" (dtype) or "int8" (weight-only int8 matrices, models/quantize.py).
+    weights: "float" (dtype), "int8" (weight-only int8 matrices, models/quantize.py) or
+    "gguf" (a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks kept as integers, models/gguf_blocks.py).
     """
-    if check_weights(weights) != "float":
+    if check_weights(weights) == "gguf":
+        return _load_gguf_blocks(name_or_path, dtype, cache_dir)
+    if weights != "float":
         model, params, tokenizer = load(name_or_path, dtype, cache_dir=cache_dir)
         return model, quantized_params(model, params, weights), tokenizer
     name = os.fspath(name_or_path)

@@ -96,7 +96,10 @@ def param_shardings(model, params, mesh, *, head: str = "auto"):
     model_devices = axis_size(mesh, MODEL)
 
     def place(dim):
-        return lambda array: NamedSharding(mesh, _spec(array.ndim, dim))
+        def one(array):  # an array, or one leaf of a quantized matrix (codes, scales)
+            fits = dim is None or array.shape[dim] % model_devices == 0
+            return NamedSharding(mesh, _spec(array.ndim, dim if fits else None))
+        return lambda value: jax.tree_util.tree_map(one, value)  # Int8Matrix / BlockMatrix too
 
     def layer(tree: Mapping):
         return {name: place(LAYER_RULES.get(name))(array) for name, array in tree.items()}

@@ -32,6 +32,7 @@ import numpy as np
 import jaxgen
 from jaxgen.models import tiny_llama, unstack_layers
 from jaxgen.models.exit_adapter import init_exit_adapter
+from jaxgen.models.quantize import quantize_params
 from jaxgen.models.sharding import shard
 
 MESHES = ((1, 8), (2, 4), (8, 1))
@@ -144,7 +145,24 @@ def plain() -> None:
         check(f"{shape} greedy new prompts reuse the program", jaxgen.trace_count() == before,
               jaxgen.trace_count() - before)
         check(f"{shape} greedy new prompts tokens", *same_tokens(out, reference))
+    quantized_checks(model, params, cfg)
     error_checks(model, params)
+
+
+def quantized_checks(model, params, cfg) -> None:
+    """int8 weights (an Int8Matrix per matrix) on the (2, 4) mesh: codes split like the float
+    matrix, a scale too small to split stays whole, one device's tokens."""
+    quantized = quantize_params(model.config, params)
+    mesh = mesh_of((2, 4))
+    placed = shard(model, quantized, mesh)
+    wq, wo = placed["layers"]["wq"], placed["layers"]["wo"]
+    check("int8 wq codes on model", tuple(wq.codes.sharding.spec)[-1] == "model",
+          wq.codes.sharding)
+    check("int8 wo codes rows on model, its [L, 1, N] scale whole",
+          tuple(wo.codes.sharding.spec)[-2] == "model"
+          and shard_bytes(wo.scale) == wo.scale.nbytes, (wo.codes.sharding, wo.scale.sharding))
+    check("int8 tokens on the (2, 4) mesh", *same_tokens(run(model, quantized, cfg, mesh),
+                                                        run(model, quantized, cfg, None)))
 
 
 def assisted() -> None:

@@ -188,8 +188,10 @@ def _permute(w, n_head):  # llama.cpp's q/k row permutation (inverse of unpermut
         .swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, params, *, block_count=None, extra=(), poison=None):
-    """A float32 llama GGUF of `model` (tied when the config is)."""
+def write_gguf(path, model, params, *, block_count=None, extra=(), poison=None, quant=None):
+    """A float32 llama GGUF of `model` (tied when the config is). quant: {tensor name:
+    gguf.GGMLQuantizationType} for tensors to store quantized (the rest stay F32)."""
+    import gguf
     from gguf import GGUFWriter
 
     cfg = model.config
@@ -229,7 +231,12 @@ def write_gguf(path, model, params, *, block_count=None, extra=(), poison=None):
         tensors[poison] = tensors[poison].copy()
         tensors[poison].flat[0] = np.nan
     for name, array in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        kind = (quant or {}).get(name)
+        if kind is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
