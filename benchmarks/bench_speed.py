@@ -1,6 +1,7 @@
 """Decode speed against the floors and the peers: jaxgen as `load()` returns it (stacked layers,
 split per call on CPU), the stacked scan kept ($JAXGEN_LAYER_LAYOUT=stacked), after
-`unstack_layers`, with int8 weights (`load(weights="int8")`), transformers (torch CPU, fp32,
+`unstack_layers`, with int8 weights (`load(weights="int8")`), with the GGUF file's own Q4_1 /
+Q8_0 blocks (`load(weights="gguf")`), transformers (torch CPU, fp32,
 same weights) and llama.cpp (llama-cpp-python, when installed: the shipped Q4_1 GGUF and
 an F32 GGUF written from the same weights), batch 1 and 8, plus a per-piece profile of one
 decode step. Everything in one run; medians of repeats; ratios within the run.
@@ -251,19 +252,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--profile-only", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
-    parser.add_argument("--layouts", default="01234",
+    parser.add_argument("--layouts", default="012345",
                         help="which jaxgen rows: 0 load() as it is, 1 stacked scan, "
-                             "2 unstacked, 3 int8, 4 int8 unstacked")
+                             "2 unstacked, 3 int8, 4 int8 unstacked, 5 GGUF blocks")
     args = parser.parse_args()
 
     model, stacked, tokenizer = load(DEFAULT_MODEL)
     unstacked = unstack_layers(model, stacked)
     int8 = quantize_params(model.config, stacked)
+    blocks = load(DEFAULT_MODEL, weights="gguf")[1]  # the file's Q4_1 layers, Q8_0 head
+    blocks_bytes = step_bytes(model, blocks)
     layouts = {"jaxgen load() as it is (split per call)": (stacked, "auto"),
                "jaxgen stacked scan (LAYOUT=stacked)": (stacked, "stacked"),
                "jaxgen unstack_layers": (unstacked, "auto"),
                "jaxgen int8 (split per call)": (int8, "auto"),
-               "jaxgen int8 unstacked": (quantize_params(model.config, unstacked), "auto")}
+               "jaxgen int8 unstacked": (quantize_params(model.config, unstacked), "auto"),
+               "jaxgen GGUF Q4_1 blocks (split per call)": (blocks, "auto")}
     layouts = {name: entry for index, (name, entry) in enumerate(layouts.items())
                if str(index) in args.layouts}
     bandwidth = measure_bandwidth()
@@ -272,7 +276,8 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct, greedy, {args.prompt_tokens}-token prompt, "
           f"{args.new_tokens} new tokens; bandwidth {bandwidth:.1f} GB/s, fp32 matmul "
           f"{flops / 1e9:.0f} GFLOP/s; weights read per step: fp32 {fp32_bytes / 1e6:.0f} MB, "
-          f"int8 {step_bytes(model, int8) / 1e6:.0f} MB; jax {jax.__version__}\n")
+          f"int8 {step_bytes(model, int8) / 1e6:.0f} MB, GGUF blocks "
+          f"{blocks_bytes / 1e6:.0f} MB; jax {jax.__version__}\n")
 
     if not args.no_profile:
         for batch in args.batches:

@@ -35,6 +35,7 @@ import time
 from jaxgen.cli_batch import (EXIT_INPUT, EXIT_INTERRUPTED, EXIT_MODEL,  # noqa: F401
                               EXIT_RUNTIME, EXIT_USAGE, CliError, run_batch)
 from jaxgen.cli_speculative import METHODS
+from jaxgen.models.quantize import WEIGHT_FORMATS
 
 # --layout auto: one answer of up to this many new tokens runs the stacked layout. Measured
 # (benchmarks/bench_cli.py): stacked compiles ~2x faster and a warm start costs ~1.6 CPU-s
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rows per batch with --input")
     parser.add_argument("--no-stream", action="store_true", help="print the answer at the end")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="float",
+                        help="float (--dtype), int8 (weight-only int8 matrices) or gguf (a "
+                             "GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks kept as integers)")
     parser.add_argument("--quiet", action="store_true", help="no summary line")
     parser.add_argument("--no-cache", "--no-compile-cache", dest="no_cache",
                         action="store_true",
@@ -159,7 +163,7 @@ def load_model(args):
     try:
         model, params, tokenizer = models.load(
             name, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16,
-            cache_dir=None if args.no_cache else model_cache_dir())
+            cache_dir=None if args.no_cache else model_cache_dir(), weights=args.weights)
     except (FileNotFoundError, ValueError, OSError) as error:
         raise CliError(f"cannot load model {name!r}: {error}", EXIT_MODEL) from None
     if tokenizer is None:

@@ -49,6 +49,11 @@ def restricted_logits(model: Llama, params: dict, hidden: jax.Array, vocab) -> j
     normed = rms_norm(hidden, params["final_norm"], model.config.rms_norm_eps)  # [..., D]
     if "draft_head" in params:
         rows = params["draft_head"]  # [D, V_d]
+    elif hasattr(params.get("lm_head"), "dequantize"):
+        # a quantized head (load(weights="int8" / "gguf")): its output columns, codes and scales
+        rows = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.asarray(vocab), axis=-1),
+                                      params["lm_head"])  # [D, V_d]
+        return (normed @ rows).astype(jnp.float32)  # [..., V_d]
     elif "lm_head" in params:
         rows = jnp.take(params["lm_head"], jnp.asarray(vocab), axis=1)  # [D, V_d]
     else:
@@ -57,12 +62,18 @@ def restricted_logits(model: Llama, params: dict, hidden: jax.Array, vocab) -> j
                       preferred_element_type=jnp.float32)  # [..., V_d]
 
 
+def dense_head(head):
+    """The float [D, V] matrix of an LM head: an array as it is, a quantized matrix
+    (load(weights="int8" / "gguf")) expanded."""
+    return head.dequantize() if hasattr(head, "dequantize") else head
+
+
 def with_draft_head(model: "DraftVocabModel", params: dict) -> dict:
     """params plus "draft_head" [D, V_d]: the head's vocabulary rows as one contiguous
     matrix, so a draft step reads V_d rows instead of gathering them each time."""
     vocab = np.asarray(model.vocab, np.int32)
     if "lm_head" in params:
-        head = np.asarray(params["lm_head"])[:, vocab]  # [D, V_d]
+        head = np.asarray(dense_head(params["lm_head"]))[:, vocab]  # [D, V_d]
     else:
         head = np.asarray(params["embed"])[vocab].T  # [D, V_d]
     return {**params, "draft_head": jnp.asarray(np.ascontiguousarray(head))}

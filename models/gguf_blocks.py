@@ -9,9 +9,12 @@ the file's float16 scales and offsets, 4.5 (Q4_0), 5 (Q4_1) or 8.5 (Q8_0) bits a
 instead of 32, and `x @ m` expands the blocks inside the matmul. The expanded values are exactly the float loader's (same float32
 products), so logits agree with `weights="float"` to float rounding.
 
-On XLA:CPU the expansion is not fused into the dot (the program writes the float matrix
-each step), so this format saves memory, not time, on a CPU; `benchmarks/bench_speed.py`
-measures it beside llama.cpp on the same file.
+The loader builds the float load first (config, norms, embeddings, the float head of a
+file whose head is not Q4_0 / Q4_1 / Q8_0) and then swaps the matrices, so its peak host
+memory is the float model's; the params it returns hold the blocks. On XLA:CPU the expansion
+is not fused into the dot (the program writes the float matrix each step), so the format
+saves memory, not time, on a CPU; `benchmarks/bench_speed.py` measures it beside llama.cpp
+on the same file.
 
 Example:
     >>> import numpy as np, gguf
@@ -137,15 +140,16 @@ def stack(matrices: list[BlockMatrix]) -> BlockMatrix:
 def block_params(reader, config, params: dict, path: str = "<gguf>") -> dict:
     """`params` (the float load of the same file) with every decoder matrix and the LM head
     read again as BlockMatrix from `reader`'s quantized tensors. Float tensors (F32 / F16)
-    stay float; a quantized type outside BLOCK_KINDS is a ValueError naming it."""
+    stay float; a layer matrix of a quantized type outside BLOCK_KINDS is a ValueError naming
+    it, an LM head of such a type (Q6_K in llama.cpp's Q4_0 files) keeps its float load."""
     from .gguf_checkpoint import _LAYER_NAMES, unpermute_rows
 
     tensors = {t.name: t for t in reader.tensors}
 
-    def read(name: str, heads: int | None = None):
+    def read(name: str, heads: int | None = None, strict: bool = True):
         tensor = tensors[name]
         kind = tensor.tensor_type.name
-        if kind in ("F32", "F16", "BF16"):
+        if kind in ("F32", "F16", "BF16") or (kind not in BLOCK_KINDS and not strict):
             return None  # keep the float load's array
         if kind not in BLOCK_KINDS:
             raise ValueError(f"{path}: tensor {name} is {kind}; weights='gguf' keeps "
@@ -172,7 +176,7 @@ def block_params(reader, config, params: dict, path: str = "<gguf>") -> dict:
         layers[key] = stack(per_layer)
     out = dict(params, layers=layers)
     head_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
-    head = read(head_name)
+    head = read(head_name, strict=False)  # llama-quantize often stores it as Q6_K: stays float
     if head is not None:
         out["lm_head"] = head  # [D, V]; a tied model keeps its float embeddings for lookup
     return out

@@ -4,7 +4,8 @@ and dequantizing its weights (the embedded SmolLM2: seconds of work -> a read of
 One entry per GGUF file, a folder under `cache_dir`:
 
     weights.bin     every parameter as float32, back to back, each 64-byte aligned
-    manifest.json   the model config, the tokenizer (tokenizers JSON + its options) and, per
+    manifest.json   the model config, the tokenizer (tokenizers JSON + its options; null for a
+                    GGUF without tokenizer metadata) and, per
                     array, its name, offset, shape and checksum; written last
 
 Entry names: a hash of the GGUF's real path, then a hash of (its size and mtime, the loader
@@ -133,7 +134,7 @@ def _tokenizer_from(record: dict) -> Tokenizer:
     return Tokenizer(tokenizers.Tokenizer.from_str(record["backend"]), **options)
 
 
-def write_entry(folder: str, model: Llama, params: dict, tokenizer: Tokenizer, *,
+def write_entry(folder: str, model: Llama, params: dict, tokenizer: Tokenizer | None, *,
                 source: str) -> None:
     """Writes an entry at `folder` (atomically: a temporary sibling renamed into place).
 
@@ -146,8 +147,9 @@ def write_entry(folder: str, model: Llama, params: dict, tokenizer: Tokenizer, *
     if LlamaConfig(**{k: _tuples(v) for k, v in json.loads(json.dumps(config)).items()}) \
             != model.config:
         raise ValueError("the model config does not survive a JSON round trip")
-    token_record = _tokenizer_record(tokenizer)
-    if _tokenizer_from(json.loads(json.dumps(token_record))).backend.to_str() != \
+    token_record = None if tokenizer is None else _tokenizer_record(tokenizer)
+    if token_record is not None and \
+            _tokenizer_from(json.loads(json.dumps(token_record))).backend.to_str() != \
             token_record["backend"]:
         raise ValueError("the tokenizer does not survive a JSON round trip")
     parent = os.path.dirname(os.path.abspath(folder))
@@ -194,7 +196,8 @@ def read_entry(folder: str, dtype) -> tuple[Llama, dict, Tokenizer]:
             raise CacheEntryError(f"{weights_path}: {os.path.getsize(weights_path)} bytes, "
                                   f"the manifest says {manifest['weights_bytes']}")
         config = LlamaConfig(**{k: _tuples(v) for k, v in manifest["config"].items()})
-        tokenizer = _tokenizer_from(manifest["tokenizer"])
+        token_record = manifest["tokenizer"]  # None for a GGUF without tokenizer metadata
+        tokenizer = None if token_record is None else _tokenizer_from(token_record)
         raw = np.memmap(weights_path, dtype=np.uint8, mode="c")  # [bytes], private pages
         flat = {}
         for record in manifest["arrays"]:

@@ -45,19 +45,22 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
 def to_hf_arrays(model, params, dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxgen params (stacked layout) -> HF state dict as numpy arrays of `dtype`.
 
-    A tied model gets no `lm_head.weight` (HF re-ties it from the embeddings).
+    A tied model gets no `lm_head.weight` (HF re-ties it from the embeddings). Quantized
+    matrices (load(weights="int8" / "gguf")) are exported as the float values they stand for.
     """
     cfg = model.config
-    as_np = lambda a: np.ascontiguousarray(np.asarray(a).astype(dtype))  # noqa: E731
+    dense = lambda a: a.dequantize() if hasattr(a, "dequantize") else a  # noqa: E731
+    as_np = lambda a: np.ascontiguousarray(np.asarray(dense(a)).astype(dtype))  # noqa: E731
     arrays = {"model.embed_tokens.weight": as_np(params["embed"]),
               "model.norm.weight": as_np(params["final_norm"])}
     for key, stacked in params["layers"].items():
         suffix, transpose = HF_LAYER_NAMES[key]
+        stacked = np.asarray(dense(stacked))  # [L, ...]
         for i in range(cfg.num_layers):
-            arr = np.asarray(stacked[i])
+            arr = stacked[i]
             arrays[f"model.layers.{i}.{suffix}"] = as_np(arr.T if transpose else arr)
     if not cfg.tie_word_embeddings:
-        arrays["lm_head.weight"] = as_np(np.asarray(params["lm_head"]).T)
+        arrays["lm_head.weight"] = as_np(np.asarray(dense(params["lm_head"])).T)
     return arrays
 
 

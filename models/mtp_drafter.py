@@ -310,7 +310,9 @@ def drafter_with_draft_head(model: MtpDrafterModel, params: dict, target_params:
     if not len(vocab):
         return params
     if "lm_head" in target_params:
-        head = np.asarray(target_params["lm_head"])[:, vocab]  # [Dt, V_d]
+        from .draft_vocab import dense_head
+
+        head = np.asarray(dense_head(target_params["lm_head"]))[:, vocab]  # [Dt, V_d]
     else:
         head = np.asarray(target_params["embed"])[vocab].T  # [Dt, V_d]
     dtype = params["pre_projection"].dtype

@@ -87,7 +87,9 @@ def _load_gguf_blocks(name_or_path, dtype, cache_dir):
     name = os.fspath(name_or_path)
     if name.lower() in _EMBEDDED:
         path = embedded_path(name.lower())
-    elif name.lower().endswith(".gguf") and os.path.isfile(name):
+    elif name.lower().endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"no such file or folder: {name}")
         path = name
     else:
         raise ValueError(f"weights='gguf' keeps a GGUF file's blocks; {name!r} is not a .gguf "

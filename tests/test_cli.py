@@ -79,6 +79,8 @@ def test_jsonl_batch_in_and_out(tmp_path):
     (["--max-new-tokens", "0", "hi"], 2, "--max-new-tokens"),
     (["--temperature", "abc", "hi"], 2, "--temperature"),
     (["--no-such-flag", "hi"], 2, "--no-such-flag"),
+    (["--weights", "int4", "hi"], 2, "--weights"),
+    (["--weights", "gguf", "--model", "smollm2-135m-instruct-draft", "hi"], 3, "weights='gguf'"),
     (["--model", "/nonexistent/model.gguf", "hi"], 3, "/nonexistent/model.gguf"),
     (["--model", "not-a-known-model", "hi"], 3, "unknown model"),
     (["--do-sample", "--temperature", "-1", "hi"], 2, "temperature"),
@@ -107,6 +109,16 @@ def test_unreadable_model_files(tmp_path):
         result = run_cli(*args)
         assert result.returncode == code, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_gguf_blocks_give_the_float_answer():
+    """--weights gguf decodes the embedded file's own Q4_1 blocks: the float load's answer."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    result = run_cli("--weights", "gguf", "--max-new-tokens", "12", "--quiet",
+                     messages[0]["content"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == greedy_answer(messages, 12).strip()
 
 
 def save_other_tokenizer_draft(folder) -> str:

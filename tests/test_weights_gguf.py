@@ -60,11 +60,19 @@ def test_blocks_expand_to_the_float_weights_and_decode_the_same(tmp_path, kind, 
         np.testing.assert_array_equal(np.asarray(exact["layers"][key]), np.asarray(value))
     reference_head = float_params["embed"].T if tied else float_params["lm_head"]
     np.testing.assert_array_equal(np.asarray(exact["lm_head"]), np.asarray(reference_head))
-    # Same logits to float rounding, same greedy tokens, stacked scan and per-layer weights.
+    # Same logits to float rounding.
     tokens, positions = jnp.array([[3, 1, 4, 1, 5]]), jnp.arange(5)[None]  # [1, 5]
     ref = model(float_params, tokens, positions, model.init_cache(1, 5)).logits
     got = model(blocks, tokens, positions, model.init_cache(1, 5)).logits
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_with_blocks_gives_the_float_tokens_in_both_layouts(tmp_path):
+    """Greedy tokens equal the float load's, stacked scan and per-layer weights (Q4_1, untied:
+    the other kinds differ only in the expansion checked above)."""
+    path = quantized_file(tmp_path, Q.Q4_1, tied=False)
+    model, float_params, _ = load(path)
+    _, blocks, _ = load(path, weights="gguf")
     cfg = jaxgen.GenerationConfig(max_new_tokens=8, eos_token_id=None, pad_token_id=0)
     prompts = [[3, 1, 4], [1, 5, 9, 2, 6]]
     want = jaxgen.generate(float_params, jaxgen.init_state(model, prompts, cfg), cfg).sequences
@@ -93,6 +101,46 @@ def test_bad_input_names_the_problem(tmp_path):
         load("tiny-llama", weights="gguf")
     with pytest.raises(ValueError, match=r"allowed: 'float', 'int8', 'gguf'"):
         load(str(tmp_path / "x.gguf"), weights="q4")
+
+
+def test_head_of_another_type_stays_float_and_no_tokenizer_caches(tmp_path):
+    """llama-quantize stores the head of a Q4_0 file as Q6_K: it keeps the float load (here
+    Q5_0 stands in). The file has no tokenizer metadata: tokenizer None, also from cache_dir."""
+    path = quantized_file(tmp_path, Q.Q4_0, head_kind=Q.Q5_0)
+    for _ in range(2):  # the entry is built, then read back
+        _, blocks, tokenizer = load(path, weights="gguf", cache_dir=str(tmp_path / "cache"))
+        assert tokenizer is None
+    assert isinstance(blocks["layers"]["wq"], BlockMatrix) and "lm_head" not in blocks
+
+
+def test_draft_vocab_reads_a_quantized_head(tmp_path):
+    """A pruned draft vocabulary on the blocks: the gathered head columns give the float
+    load's draft logits, with_draft_head copies exactly the float load's head rows."""
+    from jaxgen.models.draft_vocab import DraftVocabModel, restricted_logits, with_draft_head
+
+    path = quantized_file(tmp_path, Q.Q8_0, tied=False)
+    model, float_params, _ = load(path)
+    blocks = load(path, weights="gguf")[1]
+    vocab = tuple(range(0, 48, 3))
+    hidden = jax.random.normal(jax.random.key(1), (1, 2, 32))  # [B, S, D]
+    np.testing.assert_allclose(restricted_logits(model, blocks, hidden, vocab),
+                               restricted_logits(model, float_params, hidden, vocab),
+                               rtol=1e-5, atol=1e-5)  # [B, S, V_d]
+    draft = DraftVocabModel(model, vocab)
+    np.testing.assert_array_equal(np.asarray(with_draft_head(draft, blocks)["draft_head"]),
+                                  np.asarray(with_draft_head(draft, float_params)["draft_head"]))
+
+
+def test_hf_export_writes_the_float_values(tmp_path):
+    from jaxgen.models.hf_export import to_hf_arrays
+
+    path = quantized_file(tmp_path, Q.Q4_1, tied=False, head_kind=Q.Q8_0)
+    model, float_params, _ = load(path)
+    blocks = load(path, weights="gguf")[1]
+    want, got = to_hf_arrays(model, float_params), to_hf_arrays(model, blocks)
+    assert got.keys() == want.keys()
+    for name, array in want.items():
+        np.testing.assert_array_equal(got[name], array, err_msg=name)
 
 
 @pytest.mark.slow

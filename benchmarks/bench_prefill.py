@@ -1,0 +1,116 @@
+"""Prefill speed: a long prompt's first forward, jaxgen against transformers (same fp32 weights)
+and llama.cpp (when llama-cpp-python is installed: the shipped Q4_1 GGUF and an F32 GGUF
+written from it), SmolLM2-135M-Instruct, batch 1. One run, medians of repeats, ratios within
+the run.
+
+    python benchmarks/bench_prefill.py [--prompt-tokens 1000] [--repeats 5]
+
+A prefill is timed as a generate call with max_new_tokens=1 (the prompt's forward plus one
+token choice) in jaxgen and transformers, and as `Llama.eval(prompt)` in llama.cpp; compiles
+and warm-ups are left out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import numpy as np
+
+import jaxgen
+from jaxgen.models import DEFAULT_MODEL, load
+
+from report_table import table_header, table_row
+
+
+def long_prompt(tokenizer, length: int) -> list[int]:
+    """`length` ids of running English text."""
+    text = ("The history of the city begins with a small settlement on the river, where "
+            "traders met farmers and fishermen every season to exchange goods and stories. "
+            "Over the centuries the market grew into a town with a bridge, a harbour and a "
+            "library that kept the records of every voyage. ")
+    ids = tokenizer.encode(text)
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def _median_seconds(run, repeats: int) -> float:
+    run()  # compile / warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def jaxgen_prefill_seconds(model, params, prompt, repeats) -> float:
+    cfg = jaxgen.GenerationConfig(max_new_tokens=1, pad_token_id=0)
+    return _median_seconds(lambda: jaxgen.generate(
+        params, jaxgen.init_state(model, [prompt], cfg), cfg).sequences.block_until_ready(),
+        repeats)
+
+
+def transformers_prefill_seconds(hf, prompt, repeats) -> float:
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        return _median_seconds(lambda: hf.generate(
+            ids, max_new_tokens=1, do_sample=False, pad_token_id=0,
+            attention_mask=torch.ones_like(ids)), repeats)
+
+
+def llama_cpp_prefill_seconds(path, prompt, repeats, threads) -> float:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=len(prompt) + 8, n_threads=threads,
+                n_batch=len(prompt), n_ubatch=min(len(prompt), 512), verbose=False)
+
+    def run():
+        llm.reset()
+        llm.eval(prompt)
+
+    return _median_seconds(run, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+
+    import torch
+    from bench_speed import write_f32_gguf
+    from jaxgen.models.hf_export import hf_from_jaxgen
+    from jaxgen.models.registry import embedded_path
+
+    torch.set_num_threads(args.threads)
+    model, params, tokenizer = load(DEFAULT_MODEL)
+    prompt = long_prompt(tokenizer, args.prompt_tokens)
+    rows = [("transformers fp32", transformers_prefill_seconds(
+        hf_from_jaxgen(model, params), prompt, args.repeats))]
+    rows.append(("jaxgen fp32, load() as it is",
+                 jaxgen_prefill_seconds(model, params, prompt, args.repeats)))
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama_cpp is not installed: no llama.cpp rows (pip install llama-cpp-python)")
+    else:
+        q4 = embedded_path(DEFAULT_MODEL)
+        f32 = write_f32_gguf(q4, os.path.join(tempfile.mkdtemp(), "smollm2-f32.gguf"))
+        for name, path in (("llama.cpp F32", f32), ("llama.cpp Q4_1", q4)):
+            rows.append((name, llama_cpp_prefill_seconds(path, prompt, args.repeats,
+                                                         args.threads)))
+    reference = rows[0][1]
+    print(f"\nSmolLM2-135M-Instruct prefill, batch 1, {len(prompt)}-token prompt, "
+          f"{args.threads} threads\n")
+    print(table_header("system", "seconds", "prompt tok/s", "x transformers", numeric=True))
+    for name, seconds in rows:
+        print(table_row(name, f"{seconds:.3f}", f"{len(prompt) / seconds:.0f}",
+                        f"{reference / seconds:.2f}"))
+
+
+if __name__ == "__main__":
+    main()
