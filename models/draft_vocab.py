@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .llama import Llama, ModelOutput, rms_norm
+from .quantize import dense
 
 
 def select_draft_vocab(counts: np.ndarray, size: int, keep=()) -> tuple[int, ...]:
@@ -62,18 +63,12 @@ def restricted_logits(model: Llama, params: dict, hidden: jax.Array, vocab) -> j
                       preferred_element_type=jnp.float32)  # [..., V_d]
 
 
-def dense_head(head):
-    """The float [D, V] matrix of an LM head: an array as it is, a quantized matrix
-    (load(weights="int8" / "gguf")) expanded."""
-    return head.dequantize() if hasattr(head, "dequantize") else head
-
-
 def with_draft_head(model: "DraftVocabModel", params: dict) -> dict:
     """params plus "draft_head" [D, V_d]: the head's vocabulary rows as one contiguous
     matrix, so a draft step reads V_d rows instead of gathering them each time."""
     vocab = np.asarray(model.vocab, np.int32)
     if "lm_head" in params:
-        head = np.asarray(dense_head(params["lm_head"]))[:, vocab]  # [D, V_d]
+        head = np.asarray(dense(params["lm_head"]))[:, vocab]  # [D, V_d]
     else:
         head = np.asarray(params["embed"])[vocab].T  # [D, V_d]
     return {**params, "draft_head": jnp.asarray(np.ascontiguousarray(head))}

@@ -6,8 +6,9 @@ Q8_0 = one float16 scale d and 32 int8 codes (w = d·q); Q4_0 = d and 32 four-bi
 float path (`models/gguf_checkpoint.py`) dequantizes them to float32 at load. Here they stay
 as they are: a `BlockMatrix` holds the codes (4-bit codes two to a byte, as in the file) with
 the file's float16 scales and offsets, 4.5 (Q4_0), 5 (Q4_1) or 8.5 (Q8_0) bits a weight
-instead of 32, and `x @ m` expands the blocks inside the matmul. The expanded values are exactly the float loader's (same float32
-products), so logits agree with `weights="float"` to float rounding.
+instead of 32, and `x @ m` expands the blocks before the dot. The expanded values are exactly
+the float loader's (same float32 products), so logits agree with `weights="float"` to float
+rounding.
 
 The loader builds the float load first (config, norms, embeddings, the float head of a
 file whose head is not Q4_0 / Q4_1 / Q8_0) and then swaps the matrices, so its peak host
@@ -46,7 +47,8 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 @dataclasses.dataclass(frozen=True)
 class BlockMatrix:
     """A [..., K, N] matrix in GGUF blocks of 32 inputs: codes, float16 scales
-    [..., K // 32, N] and, for Q4_1, float16 offsets [..., K // 32, N]. `x @ m` (x [..., K] float) gives x @ dequantize(m).
+    [..., K // 32, N] and, for Q4_1, float16 offsets [..., K // 32, N]. `x @ m` (x [..., K]
+    float) gives x @ dequantize(m).
 
     codes: Q8_0 int8 [..., K, N]; Q4_0 / Q4_1 uint8 [..., K // 2, N], byte j of a block holding
     input j in its low nibble and input j + 16 in its high nibble (the file's own packing).

@@ -24,6 +24,7 @@ import os
 
 import numpy as np
 
+from .quantize import dense
 from .safetensors_io import write_safetensors
 
 HF_LAYER_NAMES = {  # params name -> (HF suffix under model.layers.{i}., transposed)
@@ -49,7 +50,6 @@ def to_hf_arrays(model, params, dtype=np.float32) -> dict[str, np.ndarray]:
     matrices (load(weights="int8" / "gguf")) are exported as the float values they stand for.
     """
     cfg = model.config
-    dense = lambda a: a.dequantize() if hasattr(a, "dequantize") else a  # noqa: E731
     as_np = lambda a: np.ascontiguousarray(np.asarray(dense(a)).astype(dtype))  # noqa: E731
     arrays = {"model.embed_tokens.weight": as_np(params["embed"]),
               "model.norm.weight": as_np(params["final_norm"])}

@@ -75,6 +75,7 @@ import jax.numpy as jnp
 
 from . import rope as rope_lib
 from .llama import apply_rope, rms_norm
+from .quantize import dense
 
 MODEL_TYPE = "jaxgen_mtp_drafter"  # config.json "model_type"
 ARCHITECTURE = "JaxgenMtpDrafter"  # config.json "architectures": [ARCHITECTURE]
@@ -310,9 +311,7 @@ def drafter_with_draft_head(model: MtpDrafterModel, params: dict, target_params:
     if not len(vocab):
         return params
     if "lm_head" in target_params:
-        from .draft_vocab import dense_head
-
-        head = np.asarray(dense_head(target_params["lm_head"]))[:, vocab]  # [Dt, V_d]
+        head = np.asarray(dense(target_params["lm_head"]))[:, vocab]  # [Dt, V_d]
     else:
         head = np.asarray(target_params["embed"])[vocab].T  # [Dt, V_d]
     dtype = params["pre_projection"].dtype

@@ -84,6 +84,12 @@ class Int8Matrix:
         return x @ self.dequantize(x.dtype)  # [..., N]
 
 
+def dense(matrix):
+    """The float array a weight stands for: an array as it is, a quantized matrix (Int8Matrix,
+    models/gguf_blocks.BlockMatrix) expanded."""
+    return matrix.dequantize() if hasattr(matrix, "dequantize") else matrix
+
+
 def quantize_matrix(w: jax.Array, group: int | None = None) -> Int8Matrix:
     """Symmetric int8 codes of w [..., K, N]: scale = absmax / 127 over each output channel's
     K inputs (group=None) or over each run of `group` of them (group must divide K)."""
