@@ -31,26 +31,31 @@ from jaxgen import executable_cache
 _TRACES = {"generate": 0}
 
 
-def _decoding_params(params, state):
-    """The weights' layout the loop runs (models/layer_split.py: split per layer on CPU)."""
+def _decoding_params(params, state, loop):
+    """The weights' layout the loop runs (models/layer_split.py: split per layer on CPU, the
+    projections fused when plain decoding runs one row)."""
+    from jaxgen.decode import DecodeLoop
     from jaxgen.models.layer_split import for_decoding
 
-    return for_decoding(getattr(state, "model", None), params)
+    tokens = getattr(state, "tokens", None)
+    one_row = type(loop) is DecodeLoop and tokens is not None and tokens.shape[0] == 1
+    return for_decoding(getattr(state, "model", None), params, one_row=one_row)
 
 
 def _run(params, state, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    return loop.run(_decoding_params(params, state), state, cfg, inputs)
+    return loop.run(_decoding_params(params, state, loop), state, cfg, inputs)
 
 
 def _start(params, state, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    return loop.start(_decoding_params(params, state), state, cfg, inputs)
+    return loop.start(_decoding_params(params, state, loop), state, cfg, inputs)
 
 
 def _advance(params, state, carry, begin, end, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    return loop.advance(_decoding_params(params, state), state, carry, begin, end, cfg, inputs)
+    return loop.advance(_decoding_params(params, state, loop), state, carry, begin, end, cfg,
+                        inputs)
 
 
 _run_donated = jax.jit(_run, donate_argnames=("state",), static_argnames=("loop",))

@@ -471,9 +471,14 @@ class Llama:
         cfg = self.config
         batch, seq, _ = x.shape
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)  # [B, S, D]
-        q = h @ p["wq"]  # [B, S, H*Dh]
-        k = h @ p["wk"]  # [B, S, K*Dh]
-        v = h @ p["wv"]  # [B, S, K*Dh]
+        if "wqkv" in p:  # layer_split.fuse_projections' one matrix
+            q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            qkv = h @ p["wqkv"]  # [B, S, (H + 2K) * Dh]
+            q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)  # [B, S, H*Dh], ...
+        else:
+            q = h @ p["wq"]  # [B, S, H*Dh]
+            k = h @ p["wk"]  # [B, S, K*Dh]
+            v = h @ p["wv"]  # [B, S, K*Dh]
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [B, S, H, Dh]
@@ -491,7 +496,11 @@ class Llama:
             out = out + p["bo"]
         x = x + out  # [B, S, D]
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)  # [B, S, D]
-        gated = jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])  # [B, S, F]
+        if "w_gate_up" in p:  # layer_split.fuse_projections' one matrix
+            gate, up = jnp.split(h @ p["w_gate_up"], 2, axis=-1)  # [B, S, F] each
+        else:
+            gate, up = h @ p["w_gate"], h @ p["w_up"]  # [B, S, F] each
+        gated = jax.nn.silu(gate) * up  # [B, S, F]
         return x + gated @ p["w_down"], cache  # [B, S, D]
 
 

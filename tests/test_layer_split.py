@@ -58,19 +58,21 @@ def test_split_is_the_unstacked_layout():
     assert split_layers(unstacked) is unstacked
 
 
-def _generate_counting_splits(monkeypatch, layout, max_new_tokens):
-    """generate() on a tiny Llama with $JAXGEN_LAYER_LAYOUT=layout: (tokens, split calls)."""
+def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 1, 4), (1, 5))):
+    """generate() on a tiny Llama with $JAXGEN_LAYER_LAYOUT=layout: (output, the `fuse` flag
+    of each split call)."""
     import jaxgen
     from jaxgen.models import layer_split
 
     calls = []
     real = layer_split.split_layers
-    monkeypatch.setattr(layer_split, "split_layers", lambda p: calls.append(1) or real(p))
+    monkeypatch.setattr(layer_split, "split_layers",
+                        lambda p, fuse=False: calls.append(fuse) or real(p, fuse))
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     model, params = tiny_llama(num_layers=3, intermediate_size=40)
     cfg = jaxgen.GenerationConfig(max_new_tokens=max_new_tokens)
-    out = jaxgen.generate(params, jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg), cfg)
-    return out, len(calls)
+    out = jaxgen.generate(params, jaxgen.init_state(model, [list(p) for p in prompts], cfg), cfg)
+    return out, list(calls)  # a copy: a later call's patch wraps this one
 
 
 def test_generate_decodes_split_weights_by_default_on_cpu(monkeypatch):
@@ -81,7 +83,7 @@ def test_generate_decodes_split_weights_by_default_on_cpu(monkeypatch):
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)  # as if the tiny model were large
     split, split_calls = _generate_counting_splits(monkeypatch, "auto", 5)
     stacked, stacked_calls = _generate_counting_splits(monkeypatch, "stacked", 6)
-    assert small_calls == 0 and split_calls == 1 and stacked_calls == 0
+    assert small_calls == [] and split_calls == [False] and stacked_calls == []
     for row, length in enumerate(split.lengths.tolist()):  # the same first 5 new tokens
         assert jnp.array_equal(split.sequences[row, :length], stacked.sequences[row, :length])
 
@@ -105,3 +107,29 @@ def test_a_bad_layout_setting_names_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", "fused")
     with pytest.raises(ValueError, match=r"JAXGEN_LAYER_LAYOUT='fused'.*auto, stacked, split"):
         layout_setting()
+
+
+def test_one_row_programs_fuse_the_projections_and_keep_the_tokens(monkeypatch):
+    from jaxgen.models import layer_split
+
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
+    one, one_calls = _generate_counting_splits(monkeypatch, "auto", 7, prompts=((3, 1, 4),))
+    stacked, _ = _generate_counting_splits(monkeypatch, "stacked", 8, prompts=((3, 1, 4),))
+    assert one_calls == [True]  # batch 1, plain decoding: fused; batch 2 above: not
+    assert jnp.array_equal(one.sequences[0, :one.lengths[0]],
+                           stacked.sequences[0, :one.lengths[0]])
+
+
+def test_fused_projections_give_the_separate_ones_outputs_with_biases_and_qk_norm():
+    from jaxgen.models.layer_split import fuse_projections
+
+    model, params = tiny_llama(num_layers=2, attention_bias=True, qk_norm=True, num_kv_heads=1)
+    fused = jax.jit(split_layers, static_argnums=1)(params, True)
+    layer = fused["layers"][0]
+    assert "wqkv" in layer and "wq" not in layer and "w_gate_up" in layer and "bq" in layer
+    tokens, positions = jnp.array([[3, 1, 4, 1]]), jnp.arange(4)[None]  # [1, 4]
+    want = model(params, tokens, positions, model.init_cache(1, 4)).logits  # [1, 4, V]
+    got = model(fused, tokens, positions, model.init_cache(1, 4)).logits  # [1, 4, V]
+    assert jnp.allclose(got, want, atol=1e-5)
+    int8_like = {"wq": (1, 2), "wk": jnp.ones((2, 2)), "wv": jnp.ones((2, 2))}  # not all arrays
+    assert fuse_projections(int8_like) == int8_like
