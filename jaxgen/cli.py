@@ -7,8 +7,9 @@
     $ jaxgen --model ./hf-folder --do-sample --temperature 0.7 --seed 1 "Hi"
     $ jaxgen --assistant ./small-draft "Hi"     # assisted decoding; a draft with another
                                                 # tokenizer runs universal assisted decoding
-    $ jaxgen --speculative lookup "Hi"          # lookup | draft | early-exit (lossless); the
-                                                # summary adds the mean accepted drafts/round
+    $ jaxgen --speculative lookup "Hi"          # lookup | draft | early-exit | mtp |
+                                                # mtp-drafter (lossless); the summary adds
+                                                # the mean accepted drafts/round
 
 A second run is fast: compiled programs and the converted default model are kept in a
 per-user cache (jaxgen.cli_cache; --no-cache turns it off). One answer of up to

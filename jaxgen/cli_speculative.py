@@ -4,23 +4,27 @@
     draft       a draft model: --assistant, else the draft shipped for the default model
     early-exit  self-speculative: the target's first E layers draft (--exit-layer E; default:
                 a layer with a trained exit adapter, else half the layers)
+    mtp         the model's own MTP layers (use_mtp=True; the default model ships one)
+    mtp-drafter an MTP drafter reading the target's state and cache: --assistant, else the
+                one shipped for the default model
 
-Each row says which GenerationConfig fields the method sets and which assistant it loads;
-a method is one line, e.g. a multi-token-prediction row would read
-`"mtp": Method(fields=(("use_mtp", True),))` and a drafter shipped under a known name
-`"mtp-drafter": Method(assistant="smollm2-135m-instruct-mtp-drafter")`. `--draft-tokens K`
-sets the draft length (the row's `length_field`). All methods are lossless: the answer is
-the one plain decoding gives.
+Each row says which GenerationConfig fields the method sets and which assistant it loads.
+`--draft-tokens K` sets the draft length (the row's `length_field`). All methods are
+lossless: the answer is the one plain decoding gives.
 
 Example:
     >>> sorted(METHODS)
-    ['draft', 'early-exit', 'lookup']
+    ['draft', 'early-exit', 'lookup', 'mtp', 'mtp-drafter']
     >>> config_fields("lookup", draft_tokens=None, exit_layer=None, model=None)
     {'prompt_lookup_num_tokens': 10}
-    >>> method("mtp")
+    >>> from jaxgen.models import tiny_llama
+    >>> config_fields("mtp", draft_tokens=None, exit_layer=None,
+    ...               model=tiny_llama(num_mtp_layers=1)[0])
+    {'use_mtp': True, 'num_assistant_tokens': 1}
+    >>> method("medusa")
     Traceback (most recent call last):
     ...
-    ValueError: --speculative: unknown method 'mtp'; allowed: draft, early-exit, lookup
+    ValueError: --speculative: unknown method 'medusa'; allowed: draft, early-exit, lookup, ...
 """
 from __future__ import annotations
 
@@ -50,6 +54,9 @@ METHODS = {
     "lookup": Method(length_field="prompt_lookup_num_tokens", default_length=10),
     "draft": Method(assistant="smollm2-135m-instruct-draft"),
     "early-exit": Method(exit_layer=True, default_length=4),
+    # one draft a round: the shipped layer is one depth, and a second draft reuses it
+    "mtp": Method(fields=(("use_mtp", True),), default_length=1),
+    "mtp-drafter": Method(assistant="smollm2-135m-instruct-mtp-drafter", default_length=3),
 }
 
 
@@ -74,6 +81,9 @@ def config_fields(name: str, *, draft_tokens: int | None, exit_layer: int | None
         return {}
     row = method(name)
     fields = dict(row.fields)
+    if fields.get("use_mtp") and not getattr(model.config, "num_mtp_layers", 0):
+        raise ValueError(f"--speculative {name} needs a model with MTP layers "
+                         f"(config.json's num_mtp_layers); this one has none (use_mtp=True)")
     fields[row.length_field] = draft_tokens if draft_tokens is not None else row.default_length
     if row.exit_layer:
         fields["assistant_early_exit"] = (exit_layer if exit_layer is not None
@@ -92,7 +102,7 @@ def check_flags(name: str | None, *, assistant: str | None, exit_layer: int | No
         raise ValueError(f"--exit-layer is for --speculative early-exit, not {name!r}")
     if assistant and row.assistant is None:
         raise ValueError(f"--speculative {name} uses no assistant model: drop --assistant "
-                         f"(or use --speculative draft)")
+                         f"(or use --speculative draft / mtp-drafter)")
 
 
 def assistant_name(name: str | None, *, assistant: str | None, model_name: str,

@@ -72,8 +72,32 @@ def test_every_method_gives_the_plain_answer_and_reports_acceptance(tiny_models,
     assert 0.0 <= accepted <= 12
 
 
+def test_mtp_runs_the_models_own_mtp_layers_and_gives_the_plain_answer(tmp_path, capsys):
+    import jax
+
+    from jaxgen.models.mtp import with_mtp
+    from jaxgen.models.mtp_checkpoint import save_mtp_checkpoint
+
+    model, params = with_mtp(*tiny_llama(seed=1, num_layers=2, vocab_size=TINY_VOCAB),
+                             jax.random.key(3), depths=1)
+    folder = save_mtp_checkpoint(model, params, str(tmp_path / "mtp"))
+    tiny_tokenizer().backend.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "</s>"}, f)
+    code, plain, err = run(capsys, "--model", folder, PROMPT)
+    assert code == 0, err
+    code, out, err = run(capsys, "--model", folder, "--speculative", "mtp", "--draft-tokens", "2",
+                         PROMPT)
+    assert code == 0, err
+    assert out == plain
+    assert "drafts accepted/round" in err.strip().splitlines()[-1], err
+
+
 @pytest.mark.parametrize("args,needle", [
-    (["--speculative", "mtp"], "choose from 'draft', 'early-exit', 'lookup'"),
+    (["--speculative", "medusa"], "choose from 'draft', 'early-exit', 'lookup', 'mtp'"),
+    (["--speculative", "mtp"], "use_mtp"),  # the tiny target has no MTP layers
+    (["--speculative", "mtp-drafter"], "needs --assistant"),
+    (["--speculative", "mtp", "--assistant", "x"], "drop --assistant"),
     (["--exit-layer", "1"], "--exit-layer needs --speculative early-exit"),
     (["--speculative", "lookup", "--exit-layer", "1"], "--exit-layer is for"),
     (["--speculative", "lookup", "--assistant", "x"], "drop --assistant"),
@@ -88,7 +112,7 @@ def test_bad_combinations_are_usage_errors_naming_the_flag(tiny_models, capsys, 
 
 
 def test_the_table_configures_each_method():
-    assert set(METHODS) == {"lookup", "draft", "early-exit"}
+    assert set(METHODS) == {"lookup", "draft", "early-exit", "mtp", "mtp-drafter"}
     model = SimpleNamespace(config=SimpleNamespace(num_layers=4, exit_adapter_layers=()))
     trained = SimpleNamespace(config=SimpleNamespace(num_layers=4, exit_adapter_layers=(3,)))
     assert config_fields("early-exit", draft_tokens=2, exit_layer=None, model=trained)[
@@ -98,3 +122,8 @@ def test_the_table_configures_each_method():
     assert config_fields("draft", draft_tokens=7, exit_layer=None, model=model) == {
         "num_assistant_tokens": 7}
     check_flags("draft", assistant="some/draft", exit_layer=None)  # allowed
+    with_mtp = SimpleNamespace(config=SimpleNamespace(num_layers=4, num_mtp_layers=1))
+    assert config_fields("mtp", draft_tokens=2, exit_layer=None, model=with_mtp) == {
+        "use_mtp": True, "num_assistant_tokens": 2}
+    assert config_fields("mtp-drafter", draft_tokens=None, exit_layer=None, model=model) == {
+        "num_assistant_tokens": 3}
