@@ -27,7 +27,7 @@ Example:
     >>> split = jax.jit(split_layers)(params)
     >>> len(split["layers"]) == model.config.num_layers, split["layers"][0]["wq"].ndim
     (True, 2)
-    >>> sorted(jax.jit(split_layers, static_argnums=1)(params, True)["layers"][0])
+    >>> sorted(jax.jit(lambda p: split_layers(p, fuse=True))(params)["layers"][0])
     ['attn_norm', 'mlp_norm', 'w_down', 'w_gate_up', 'wo', 'wqkv']
     >>> split["lm_head"].shape                         # the tied head, [D, V]
     (16, 32)

@@ -124,7 +124,7 @@ def test_fused_projections_give_the_separate_ones_outputs_with_biases_and_qk_nor
     from jaxgen.models.layer_split import fuse_projections
 
     model, params = tiny_llama(num_layers=2, attention_bias=True, qk_norm=True, num_kv_heads=1)
-    fused = jax.jit(split_layers, static_argnums=1)(params, True)
+    fused = jax.jit(lambda p: split_layers(p, fuse=True))(params)
     layer = fused["layers"][0]
     assert "wqkv" in layer and "wq" not in layer and "w_gate_up" in layer and "bq" in layer
     tokens, positions = jnp.array([[3, 1, 4, 1]]), jnp.arange(4)[None]  # [1, 4]
