@@ -144,6 +144,27 @@ def llama_cpp_ms_per_token(path, prompt, new_tokens, repeats, threads) -> float:
     return float(np.median([_timed(run) for _ in range(repeats)])) / new_tokens
 
 
+def llama_cpp_forward_seconds(path, widths, position: int = 128, threads: int = 2,
+                              repeats: int = 7) -> dict:
+    """{width: median seconds of one llama.cpp batch-1 forward of `width` tokens with logits
+    at every one of them (a verify forward), against a cache holding `position` tokens}."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=position + max(widths) + 8, n_threads=threads,
+                n_batch=max(64, max(widths)), logits_all=True, verbose=False)
+    llm.eval(list(range(100, 100 + position)))
+
+    def forward(width):
+        llm.n_tokens = position  # back to the prefix; the next eval overwrites the rest
+        llm.eval(list(range(200, 200 + width)))
+
+    times = {width: [] for width in widths}
+    for _ in range(repeats):  # interleaved, so load changes touch every width alike
+        for width in widths:
+            times[width].append(_timed(lambda: forward(width)))
+    return {width: float(np.median(values)) for width, values in times.items()}
+
+
 # --------------------------------------------------------------------------- profile
 def profile_pieces(model, params, batch: int, steps: int = 32, repeats: int = 5) -> dict:
     """Milliseconds per decode step of each piece, each run `steps` times inside one jitted

@@ -20,12 +20,15 @@ measured acceptance (a / (verify(k+1) + drafts per round x draft step)).
 
     nice -n 19 python benchmarks/bench_trained_drafters.py [--prompts 4] [--new-tokens 96] \
         [--hf] [--cost] [--repeats 3]
+    python benchmarks/bench_trained_drafters.py --acceptance-only --cost --no-fallback \
+        --prompts 8                       # the cost model alone, no generation timings
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import tempfile
 import time
 
 import jax
@@ -136,11 +139,13 @@ def median_seconds(fn, *args, runs: int = 10) -> float:
     return float(np.median(times))
 
 
-def forward_seconds(model, params, width: int, position: int = 128) -> float:
+def forward_seconds(model, params, width: int, position: int = 128,
+                    exit_layer: int | None = None) -> float:
     """Median seconds per batch-1 forward of `width` tokens against a cache holding
-    `position`."""
+    `position` (exit_layer: only that many layers, then the head)."""
     cache = model.init_cache(1, position + 16)
-    fn = jax.jit(lambda p, t, pos, c: model(p, t, pos, c).logits)
+    options = {} if exit_layer is None else {"exit_layer": exit_layer}
+    fn = jax.jit(lambda p, t, pos, c: model(p, t, pos, c, **options).logits)
     tokens = jnp.zeros((1, width), jnp.int32)
     pos = jnp.arange(position, position + width, dtype=jnp.int32)[None]
     return median_seconds(fn, params, tokens, pos, cache)
@@ -153,6 +158,26 @@ def mtp_step_seconds(drafter, dparams, model, params, position: int = 128) -> fl
                                               jnp.zeros((1, model.config.hidden_size)),
                                               jnp.array([position]), c)[0])
     return median_seconds(fn, dparams, params, cache)
+
+
+def llama_cpp_costs(drafts) -> dict | None:
+    """{k: llama.cpp's forward of k + 1 tokens / its one-token forward} on an F32 GGUF of
+    the same weights (batch 1, 2 threads), or None without llama-cpp-python."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama_cpp is not installed: no llama.cpp cost columns")
+        return None
+    from bench_speed import llama_cpp_forward_seconds, write_f32_gguf
+    from jaxgen.models.registry import embedded_path
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_f32_gguf(embedded_path(DEFAULT_MODEL), os.path.join(folder, "f32.gguf"))
+        seconds = llama_cpp_forward_seconds(path, [1] + [k + 1 for k in drafts])
+    print(f"llama.cpp F32 (batch 1, 2 threads): one-token forward {seconds[1] * 1e3:.1f} ms, "
+          + ", ".join(f"{k + 1} tokens {seconds[k + 1] / seconds[1]:.2f}" for k in drafts),
+          flush=True)
+    return {k: seconds[k + 1] / seconds[1] for k in drafts}
 
 
 def hf_rows(model, params, prompts, new, args, exit_layer, jaxgen_plain_tps):
@@ -228,23 +253,47 @@ def methods_for(args, base, fast, with_adapter, no_adapter, exit_layer, mtp, dra
             and not (k.startswith("use_mtp") and "mtp" not in fast)}
 
 
+TARGETS = {"MTP drafter": 1.7, "use_mtp": 1.5, "draft": 1.4, "early exit": 1.15}
+
+
 def cost_table(rows, costs, args, exit_layer, model) -> None:
     """The cost model per row: verify and draft-step costs in target steps, the measured
-    acceptance, the greedy b1 speed-up they predict, and the measured one."""
-    print("\n| method | verify (k+1) | draft step | drafts/round | accepted length | "
-          "predicted greedy b1 | measured |\n|---|---|---|---|---|---|---|", flush=True)
+    accepted length (tokens a round), the greedy b1 speed-up they predict, and the measured
+    one. With llama.cpp's forward costs (costs["llama.cpp verify"]) the same prediction
+    with its verify costs, and with a verify as cheap as a step (an accelerator at batch 1).
+    'needed' = the accepted length that reaches the method's target speed-up with the
+    row's costs: target x (verify + drafts x draft step); above k + 1 no acceptance can."""
+    peer = costs.get("llama.cpp verify")
+    print("\n| method | k | verify (k+1) | draft step | accepted length | predicted greedy b1 "
+          "| measured | target | needed | " + ("llama.cpp verify (k+1) | predicted | needed | "
+                                              if peer else "") + "predicted at verify 1 |\n"
+          + "|---" * (13 if peer else 10) + "|", flush=True)
     for row in rows:
         name = row["method"]
-        if name.startswith("use_mtp"):  # no measured draft-step cost for it
-            continue
         k = (args.k_mtp if name.startswith("MTP") else args.k_lookup if "lookup" in name
-             else args.k_exit if "exit" in name else args.k_draft)
-        draft_cost = costs.get(name, exit_layer / model.config.num_layers)
-        verify = costs["verify"][k]
-        predicted = row["accepted_length"] / (verify + row["drafts_per_round"] * draft_cost)
-        print(f"| {name} | {verify:.2f} | {draft_cost:.3f} | {row['drafts_per_round']:.2f} "
-              f"| {row['accepted_length']:.2f} | {predicted:.2f}x | {row['greedy_b1']:.2f}x |",
-              flush=True)
+             else args.k_exit if "exit" in name else args.k_mtp_layer
+             if name.startswith("use_mtp") else args.k_draft)
+        draft_cost = costs.get(name.split(":")[0], exit_layer / model.config.num_layers)
+        drafts = row["drafts_per_round"]
+        target = next((v for key, v in TARGETS.items()
+                       if name.startswith(key) and "plain" not in name), None)
+
+        def cells(verify):
+            spent = verify + drafts * draft_cost
+            needed = "-" if target is None else (
+                f"{target * spent:.2f}" if target * spent <= k + 1 else
+                f"{target * spent:.2f} (> {k + 1})")
+            return f"{row['accepted_length'] / spent:.2f}x", needed
+
+        predicted, needed = cells(costs["verify"][k])
+        line = (f"| {name} | {k} | {costs['verify'][k]:.2f} | {draft_cost:.3f} | "
+                f"{row['accepted_length']:.2f} | {predicted} | {row['greedy_b1']:.2f}x | "
+                f"{f'{target}x' if target else '-'} | {needed} | ")
+        if peer:
+            peer_predicted, peer_needed = cells(peer[k])
+            line += f"{peer[k]:.2f} | {peer_predicted} | {peer_needed} | "
+        line += f"{row['accepted_length'] / (1 + drafts * draft_cost):.2f}x |"
+        print(line, flush=True)
 
 
 def main() -> None:
@@ -264,6 +313,9 @@ def main() -> None:
     parser.add_argument("--acceptance-only", action="store_true",
                         help="no timings: accepted lengths, identity and (with --cost) the "
                              "speed-ups the cost model predicts")
+    parser.add_argument("--no-fallback", action="store_true",
+                        help="assistant_fallback=False: every row drafts every round (what the "
+                             "cost model assumes)")
     parser.add_argument("--threshold", type=float, default=0.0,
                         help="assistant_confidence_threshold (both libraries)")
     parser.add_argument("--hf", action="store_true", help="also time transformers")
@@ -299,21 +351,28 @@ def main() -> None:
         step = forward_seconds(model, fast, 1)
         costs = {"verify": {k: forward_seconds(model, fast, k + 1) / step
                             for k in sorted({args.k_draft, args.k_exit, args.k_lookup,
-                                             args.k_mtp})},
+                                             args.k_mtp, args.k_mtp_layer})},
                  "draft": forward_seconds(draft, draft_params, 1) / step,
                  "draft, pruned vocab": forward_seconds(pruned, pruned_params, 1) / step,
                  "prompt lookup": 0.0}
         if mtp:
             costs["MTP drafter"] = mtp_step_seconds(*mtp, model, fast) / step
+        if "mtp" in fast:  # a depth step: about one decoder block + the head
+            costs["use_mtp"] = forward_seconds(model, fast, 1, exit_layer=1) / step
+        peer_costs = llama_cpp_costs(sorted(costs["verify"]))
+        if peer_costs:
+            costs["llama.cpp verify"] = peer_costs
         print(f"cost (batch 1, medians, in target-step units; target step {step * 1e3:.1f} ms): "
               + ", ".join(f"verify {k + 1} tokens {v:.2f}" for k, v in costs["verify"].items())
               + "".join(f", {name} step {costs[name]:.3f}" for name in costs
-                        if name not in ("verify", "prompt lookup"))
+                        if name not in ("verify", "prompt lookup", "llama.cpp verify"))
               + f", early exit E={exit_layer} draft step "
               f"~{exit_layer / model.config.num_layers:.2f} (its layers; + the head)", flush=True)
     prompts8 = heldout_prompts(tokenizer, max(args.prompts, 8))
     prompts = prompts8[:args.prompts]
     base = default_config(model, None, max_new_tokens=args.new_tokens)
+    if args.no_fallback:
+        base = base.replace(assistant_fallback=False)
     if args.acceptance_only:
         plain = [(0.0, jaxgen.generate(fast, jaxgen.init_state(model, [p], base), base))
                  for p in prompts]
@@ -327,6 +386,7 @@ def main() -> None:
             if args.methods and not any(m in name for m in args.methods):
                 continue
             row = acceptance(name, p, model, prompts, cfg, plain, assistant)
+            jax.clear_caches()  # a process holding ~20 programs ran out of LLVM code memory
             rows.append(row)
             print(f"| {name} | {row['accepted_length']:.2f} | {row['drafts_per_round']:.2f} | "
                   f"{row['identical']} |", flush=True)
