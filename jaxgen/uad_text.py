@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxgen.speculative.draft_model import split_assistant
+from jaxgen.speculative.mtp_assistant import target_reading_model
 from jaxgen.speculative.uad import UniversalAssistant
 
 UAD_ARGS = ("pass the target's `tokenizer=` and the assistant's `assistant_tokenizer=` "
@@ -178,9 +179,10 @@ def token_bridge(tokenizer, assistant_tokenizer, target_vocab: int,
 
 def universal_assistant(assistant_model, tokenizer, assistant_tokenizer, target_model):
     """The `assistant_model=` a call drafts with: unchanged without `assistant_tokenizer`
-    (or when both tokenizers hold the same vocabulary), else a UniversalAssistant.
+    (or when both tokenizers hold the same vocabulary, or for an MTP drafter, which drafts in
+    the target's own tokens), else a UniversalAssistant.
     Raises ValueError, naming the argument, for combinations that cannot run."""
-    if assistant_tokenizer is None:
+    if assistant_tokenizer is None or target_reading_model(assistant_model) is not None:
         return assistant_model
     if assistant_model is None:
         raise ValueError("`assistant_tokenizer=` needs `assistant_model=(model, params)`, the "

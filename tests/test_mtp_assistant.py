@@ -103,6 +103,16 @@ def test_greedy_equals_plain_greedy_ragged_batch_compiles_once_and_fills_stats()
     assert int(np.sum(again.speculative.drafted)) > 0
 
 
+def test_tokenizers_passed_with_an_mtp_drafter_keep_plain_assisted_decoding():
+    # the CLI passes both tokenizers with every assistant; an MTP drafter drafts in the
+    # target's own tokens (its vocabulary is its draft vocabulary), so it is not UAD
+    from jaxgen.uad_text import universal_assistant
+
+    drafter = near_bigram_drafter(LLAMA[0])
+    tokenizer = object()  # never read for an MTP drafter
+    assert universal_assistant(drafter, tokenizer, tokenizer, LLAMA[0]) is drafter
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["llama", "qwen_like"])
 @pytest.mark.parametrize("prompts", [RAGGED[:1], RAGGED], ids=["batch1", "ragged4"])
