@@ -81,9 +81,10 @@ def config_fields(name: str, *, draft_tokens: int | None, exit_layer: int | None
         return {}
     row = method(name)
     fields = dict(row.fields)
-    if fields.get("use_mtp") and not getattr(model.config, "num_mtp_layers", 0):
-        raise ValueError(f"--speculative {name} needs a model with MTP layers "
-                         f"(config.json's num_mtp_layers); this one has none (use_mtp=True)")
+    if fields.get("use_mtp"):
+        from jaxgen.speculative.mtp import mtp_layers_of
+
+        mtp_layers_of(model)  # a usage error before compile, as generate() would raise it
     fields[row.length_field] = draft_tokens if draft_tokens is not None else row.default_length
     if row.exit_layer:
         fields["assistant_early_exit"] = (exit_layer if exit_layer is not None

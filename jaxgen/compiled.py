@@ -37,8 +37,7 @@ def _decoding_params(params, state, loop):
     from jaxgen.decode import DecodeLoop
     from jaxgen.models.layer_split import for_decoding
 
-    tokens = getattr(state, "tokens", None)
-    one_row = type(loop) is DecodeLoop and tokens is not None and tokens.shape[0] == 1
+    one_row = type(loop) is DecodeLoop and state.batch == 1  # a DecodeLoop runs a DecodeState
     return for_decoding(getattr(state, "model", None), params, one_row=one_row)
 
 

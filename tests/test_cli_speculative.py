@@ -122,7 +122,7 @@ def test_the_table_configures_each_method():
     assert config_fields("draft", draft_tokens=7, exit_layer=None, model=model) == {
         "num_assistant_tokens": 7}
     check_flags("draft", assistant="some/draft", exit_layer=None)  # allowed
-    with_mtp = SimpleNamespace(config=SimpleNamespace(num_layers=4, num_mtp_layers=1))
+    with_mtp = tiny_llama(num_mtp_layers=1)[0]
     assert config_fields("mtp", draft_tokens=2, exit_layer=None, model=with_mtp) == {
         "use_mtp": True, "num_assistant_tokens": 2}
     assert config_fields("mtp-drafter", draft_tokens=None, exit_layer=None, model=model) == {

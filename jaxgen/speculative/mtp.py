@@ -66,6 +66,21 @@ def _at(array: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(array, index, axis=1)[:, 0]
 
 
+def mtp_layers_of(target_model):
+    """The model's MTP layers (its `mtp_layers()`), or a ValueError saying that use_mtp=True
+    needs them."""
+    getter = getattr(target_model, "mtp_layers", None)
+    layers = getter() if callable(getter) else None
+    if layers is None:
+        config = getattr(target_model, "config", None)
+        raise ValueError(f"use_mtp=True needs a model with MTP layers (config.json's "
+                         f"num_mtp_layers / num_nextn_predict_layers and their weights at "
+                         f"layer indices num_hidden_layers + k); this "
+                         f"{type(target_model).__name__} has none (num_mtp_layers="
+                         f"{getattr(config, 'num_mtp_layers', 0)})")
+    return layers
+
+
 @dataclasses.dataclass(frozen=True)
 class MtpDrafter:
     """Static description of MTP-layer drafting (hashable; a static jit argument)."""
@@ -94,15 +109,7 @@ class MtpDrafter:
             raise ValueError(f"use_mtp=True (assisted decoding) does not support beam search "
                              f"(num_beams={cfg.num_beams}); use greedy or sampling (allowed: "
                              f"num_beams=1)")
-        getter = getattr(target_model, "mtp_layers", None)
-        layers = getter() if callable(getter) else None
-        if layers is None:
-            config = getattr(target_model, "config", None)
-            raise ValueError(f"use_mtp=True needs a model with MTP layers (config.json's "
-                             f"num_mtp_layers / num_nextn_predict_layers and their weights at "
-                             f"layer indices num_hidden_layers + k); this "
-                             f"{type(target_model).__name__} has none (num_mtp_layers="
-                             f"{getattr(config, 'num_mtp_layers', 0)})")
+        layers = mtp_layers_of(target_model)
         default = (cfg.max_assistant_tokens is None and cfg.num_assistant_tokens
                    == HF_DEFAULTS["num_assistant_tokens"])
         width = layers.depths if default else cfg.max_assistant_tokens or cfg.num_assistant_tokens
