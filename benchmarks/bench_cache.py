@@ -6,7 +6,9 @@ Model: a random Llama with 8 layers, 8 query heads and 8 KV heads of head_dim 64
 per token and layer, 32 KiB/token in fp32) then dominates the bytes read per step, which is
 what the cache kinds change.
 
-The cache is filled with random K/V up to the context (through each kind's own `update`, so
+Each step runs what `jaxgen.generate` runs on CPU: per-layer weights (models/layer_split.py)
+and the cache split per layer (jaxgen.cache.layer_split). The cache is filled with random K/V
+up to the context (through each kind's own `update`, so
 int8 codes and ring slots are real), then `--steps` greedy decode steps run in one jitted
 `fori_loop` (timed after a warm-up call). Fixed-size kinds are allocated for context + 2 *
 steps; "dynamic" holds the power-of-two bucket jaxgen.growing would have grown to;
@@ -28,7 +30,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxgen.cache.layer_split import split_cache, stack_cache
 from jaxgen.models import Llama, LlamaConfig
+from jaxgen.models.layer_split import for_decoding
 from jaxgen.state import next_pow2
 
 from report_table import table_header, table_row
@@ -67,14 +71,22 @@ def fill(cache, context: int, key):
 
 
 def make_decode(model, steps: int):
+    """`steps` greedy steps in one jitted loop, over what a compiled generate call runs: the
+    weights as `for_decoding` lays them out and, with per-layer weights, the cache split per
+    layer (jaxgen.compiled)."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, token, start):
+        params = for_decoding(model, params, one_row=True)
+        if isinstance(params["layers"], list):
+            cache = split_cache(cache)
+
         def body(i, carry):
             cache, token = carry
             position = jnp.reshape(start + i, (1, 1)).astype(jnp.int32)
             out = model(params, token[:, None], position, cache)
             return out.cache, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
-        return jax.lax.fori_loop(0, steps, body, (cache, token))
+        cache, token = jax.lax.fori_loop(0, steps, body, (cache, token))
+        return stack_cache(cache), token
     return decode
 
 

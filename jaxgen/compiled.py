@@ -24,6 +24,8 @@ Example (a second call with new prompts of the same bucket reuses the program):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jaxgen import executable_cache
@@ -31,30 +33,52 @@ from jaxgen import executable_cache
 _TRACES = {"generate": 0}
 
 
-def _decoding_params(params, state, loop):
-    """The weights' layout the loop runs (models/layer_split.py: split per layer on CPU, the
-    projections fused when plain decoding runs one row)."""
+def _decoding_inputs(params, state, loop):
+    """The weights' layout the loop runs and the state it carries (models/layer_split.py:
+    weights split per layer on CPU, the projections fused when plain decoding runs one row;
+    then the KV cache is split per layer too, jaxgen.cache.layer_split, for the loops known
+    to carry it as it is: plain and assisted decoding)."""
+    from jaxgen.cache.layer_split import split_cache
     from jaxgen.decode import DecodeLoop
     from jaxgen.models.layer_split import for_decoding
+    from jaxgen.speculative.loop import SpeculativeLoop
 
     one_row = type(loop) is DecodeLoop and state.batch == 1  # a DecodeLoop runs a DecodeState
-    return for_decoding(getattr(state, "model", None), params, one_row=one_row)
+    decoded = for_decoding(getattr(state, "model", None), params, one_row=one_row)
+    unrolled = isinstance(decoded, dict) and isinstance(decoded.get("layers"), (list, tuple))
+    if unrolled and type(loop) in (DecodeLoop, SpeculativeLoop):
+        state = state.replace(cache=split_cache(state.cache))
+    return decoded, state
+
+
+def _stacked_cache(state):
+    """The state with its cache stacked back (the caller's layout, so donated input buffers
+    alias the outputs and every chunk of the chunked driver runs the same program)."""
+    from jaxgen.cache.layer_split import stack_cache
+
+    if state is None or not hasattr(state, "cache"):
+        return state
+    return state.replace(cache=stack_cache(state.cache))
 
 
 def _run(params, state, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    return loop.run(_decoding_params(params, state, loop), state, cfg, inputs)
+    output = loop.run(*_decoding_inputs(params, state, loop), cfg, inputs)
+    final = getattr(output, "state", None)
+    return output if final is None else dataclasses.replace(output, state=_stacked_cache(final))
 
 
 def _start(params, state, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    return loop.start(_decoding_params(params, state, loop), state, cfg, inputs)
+    state, carry = loop.start(*_decoding_inputs(params, state, loop), cfg, inputs)
+    return _stacked_cache(state), carry
 
 
 def _advance(params, state, carry, begin, end, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    return loop.advance(_decoding_params(params, state, loop), state, carry, begin, end, cfg,
-                        inputs)
+    params, state = _decoding_inputs(params, state, loop)
+    state, carry = loop.advance(params, state, carry, begin, end, cfg, inputs)
+    return _stacked_cache(state), carry
 
 
 _run_donated = jax.jit(_run, donate_argnames=("state",), static_argnames=("loop",))

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache import CACHE_KINDS, Cache, make_cache
+from jaxgen.cache.layer_split import is_split
 
 from .exit_adapter import apply_exit_adapter, exit_adapter_shapes
 from .gguf_blocks import BlockMatrix
@@ -423,9 +424,12 @@ class Llama:
         cos, sin = rope_lib.cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings, x.dtype)  # [B, S, Dh] each
         layers = params["layers"]
-        if isinstance(layers, (list, tuple)):  # unstacked (see unstack_layers): unrolled
+        per_layer = isinstance(layers, (list, tuple))  # unstacked (see unstack_layers)
+        if per_layer or is_split(cache):  # unrolled: a split cache needs static layer indices
             for index in range(start, stop):
-                x, cache = self._block(layers[index], index, x, cos, sin, positions, cache)
+                layer = layers[index] if per_layer else jax.tree_util.tree_map(
+                    lambda a, i=index: a[i], layers)
+                x, cache = self._block(layer, index, x, cos, sin, positions, cache)
             return x, cache
         if (start, stop) != (0, cfg.num_layers):
             layers = jax.tree_util.tree_map(lambda a: a[start:stop], layers)

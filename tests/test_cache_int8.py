@@ -189,3 +189,29 @@ def test_int8_smollm2_greedy_agreement_20_prompts_x_128(smollm2):
     assert report["teacher_forced"] >= 0.99
     assert report["mean_kl"] < 4e-4
     assert report["bytes_ratio"] <= 0.30
+
+
+@pytest.mark.parametrize("config", [
+    {"nbits": 8}, {"nbits": 4, "q_group_size": 16}, {"nbits": 8, "residual_length": 40}])
+def test_long_quantized_layers_read_in_key_chunks_give_the_whole_layer_attention(
+        config, monkeypatch):
+    """Past 2 * KEY_CHUNK keys the codes are read chunk by chunk (online softmax, the last
+    chunk overlapping the one before); outputs equal the one-softmax read of the layer."""
+    from jaxgen.cache import attention, make_cache
+
+    cache = make_cache("quantized", num_layers=1, batch=2, max_len=1100, num_kv_heads=2,
+                       head_dim=32, cache_config=config)
+    keys = jax.random.normal(jax.random.key(0), (2, 2, 1100, 2, 32))  # [K|V, B, T, Hkv, Dh]
+    cache = cache.update(0, keys[0], keys[1], jnp.arange(1100)[None].repeat(2, 0))
+    lengths = jnp.array([1090, 700])  # one row inside the overlap, one short
+    cache = cache.with_length(lengths)
+    q = jax.random.normal(jax.random.key(1), (2, 3, 4, 32))  # [B, S, H, Dh]: 3 queries
+    positions = lengths[:, None] - 3 + jnp.arange(3)[None]  # [B, S]
+    for window in (None, 600):
+        with monkeypatch.context() as patch:
+            patch.setattr(attention, "KEY_CHUNK", 512)  # 3 chunks, the last overlapping
+            chunked = cache.attend(0, q, positions, scale=0.2, window=window)  # [B, S, H, Dh]
+        with monkeypatch.context() as patch:
+            patch.setattr(attention, "KEY_CHUNK", 4096)  # one block, one softmax
+            whole = cache.attend(0, q, positions, scale=0.2, window=window)
+        np.testing.assert_allclose(chunked, whole, atol=2e-5, rtol=1e-4)

@@ -44,7 +44,7 @@ Example (one query head group of 2 over 3 cached keys; every key is visible at p
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +68,7 @@ class KeyBlock:
     max_age: int | None = None
     bypass: jax.Array | None = None  # bool [B, Tk]: visible at any age >= 0 (min/max_age ignored)
     rotation: jax.Array | None = None  # [Dh, Dh] orthogonal R: k and v hold k R and v R
+    unpack: Callable | None = None  # packed codes -> codes (4-bit pairs), run per key chunk
 
     @property
     def num_keys(self) -> int:
@@ -111,43 +112,33 @@ def _matmul_f32(a: jax.Array, b: jax.Array, contract: tuple[int, int], batch: in
     return jax.lax.dot_general(a, b.astype(a.dtype), dims).astype(jnp.float32)
 
 
+def _codes(codes: jax.Array, block: KeyBlock) -> jax.Array:
+    return codes if block.unpack is None else block.unpack(codes)
+
+
+def _widened(codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """Codes [B, Hkv, Tk, Dh] times their group scales [B, Hkv, Tk, N] -> [B, Hkv, Tk, Dh] in
+    `dtype`: one elementwise pass (XLA:CPU widens before a matmul anyway), so the products
+    below are single plain matmuls with no per-group reshapes or transposes."""
+    groups = scale.shape[-1]
+    grouped = codes.astype(jnp.float32).reshape(codes.shape[:-1] + (groups, -1))  # [..,N,Dg]
+    return (grouped * scale.astype(jnp.float32)[..., None]).reshape(codes.shape).astype(dtype)
+
+
 def _scores(q_rows: jax.Array, block: KeyBlock) -> jax.Array:
     """q_rows [B, Hkv, R, Dh] (R = G*S) -> scores [B, Hkv, R, Tk] float32 (unscaled)."""
     if block.k_scale is None:
         return _matmul_f32(q_rows, block.k, (3, 3), batch=2)  # [B, Hkv, R, Tk]
-    batch, kv_heads, rows, head_dim = q_rows.shape
-    groups = block.k_scale.shape[-1]
-    codes = block.k.astype(q_rows.dtype)  # [B, Hkv, Tk, Dh] (int8 codes, not dequantized)
-    k_scale = block.k_scale.astype(jnp.float32)  # [B, Hkv, Tk, N]
-    if groups == 1:
-        raw = _matmul_f32(q_rows, codes, (3, 3), batch=2)  # [B, Hkv, R, Tk]
-        return raw * k_scale[:, :, None, :, 0]  # [B, Hkv, R, Tk]
-    tk = codes.shape[2]
-    qn = q_rows.reshape(batch, kv_heads, rows, groups, head_dim // groups)
-    kn = codes.reshape(batch, kv_heads, tk, groups, head_dim // groups)
-    qn, kn = jnp.moveaxis(qn, 3, 2), jnp.moveaxis(kn, 3, 2)  # [B, Hkv, N, R|Tk, Dg]
-    raw = _matmul_f32(qn, kn, (4, 4), batch=3)  # [B, Hkv, N, R, Tk]
-    scale = jnp.moveaxis(k_scale, 3, 2)[:, :, :, None, :]  # [B, Hkv, N, 1, Tk]
-    return jnp.sum(raw * scale, axis=2)  # [B, Hkv, R, Tk]
+    keys = _widened(_codes(block.k, block), block.k_scale, q_rows.dtype)  # [B, Hkv, Tk, Dh]
+    return _matmul_f32(q_rows, keys, (3, 3), batch=2)  # [B, Hkv, R, Tk]
 
 
 def _values(weights: jax.Array, block: KeyBlock, out_dtype) -> jax.Array:
     """weights [B, Hkv, R, Tk] f32 -> [B, Hkv, R, Dh] float32."""
     if block.v_scale is None:
         return _matmul_f32(weights.astype(block.v.dtype), block.v, (3, 2), batch=2)
-    batch, kv_heads, tk, head_dim = block.v.shape
-    groups = block.v_scale.shape[-1]
-    codes = block.v.astype(out_dtype)  # [B, Hkv, Tk, Dh]
-    v_scale = block.v_scale.astype(jnp.float32)  # [B, Hkv, Tk, N]
-    if groups == 1:
-        scaled = (weights * v_scale[:, :, None, :, 0]).astype(out_dtype)  # [B, Hkv, R, Tk]
-        return _matmul_f32(scaled, codes, (3, 2), batch=2)  # [B, Hkv, R, Dh]
-    scale = jnp.moveaxis(v_scale, 3, 2)[:, :, :, None, :]  # [B, Hkv, N, 1, Tk]
-    scaled = (weights[:, :, None] * scale).astype(out_dtype)  # [B, Hkv, N, R, Tk]
-    vn = jnp.moveaxis(codes.reshape(batch, kv_heads, tk, groups, head_dim // groups), 3, 2)
-    out = _matmul_f32(scaled, vn, (4, 3), batch=3)  # [B, Hkv, N, R, Dg]
-    out = jnp.moveaxis(out, 2, 3)  # [B, Hkv, R, N, Dg]
-    return out.reshape(out.shape[:3] + (head_dim,))  # [B, Hkv, R, Dh]
+    values = _widened(_codes(block.v, block), block.v_scale, out_dtype)  # [B, Hkv, Tk, Dh]
+    return _matmul_f32(weights.astype(out_dtype), values, (3, 2), batch=2)  # [B, Hkv, R, Dh]
 
 
 def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBlock], *,
@@ -155,7 +146,10 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     """Grouped-query attention of q [B, S, H, Dh] over the union of `blocks`.
 
     q_positions: int32 [B, S]. Returns [B, S, H, Dh] in q's dtype. Softmax in fp32 over
-    every block's keys at once.
+    every block's keys at once. A quantized block of at least 2 * KEY_CHUNK keys is read
+    KEY_CHUNK keys per step of a loop (online softmax: each chunk's partial softmax merged
+    into a running one), so its codes are widened to float one cache-resident chunk at a time
+    instead of the whole layer at once (XLA:CPU does not widen inside the matmul).
     """
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = blocks[0].num_kv_heads
@@ -163,26 +157,128 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     q_grouped = q.reshape(batch, seq, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, Dh]
     q_rows = jnp.transpose(q_grouped, (0, 2, 3, 1, 4)).reshape(
         batch, num_kv_heads, group * seq, head_dim)  # [B, Hkv, G*S, Dh]
+    if any(_is_chunked(block) for block in blocks):
+        out = _attend_partials(q_rows, q_positions, blocks, scale, window, group)
+    else:
+        out = _attend_whole(q_rows, q_positions, blocks, scale, window, group)
+    out = out.reshape(batch, num_kv_heads, group, seq, head_dim)  # [B, Hkv, G, S, Dh]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, num_heads, head_dim
+                                                       ).astype(q.dtype)
+
+
+KEY_CHUNK = 1024  # keys per loop step of a long quantized block (chunked from 2x that)
+
+
+def _is_chunked(block: KeyBlock) -> bool:
+    return block.k_scale is not None and block.num_keys >= 2 * KEY_CHUNK
+
+
+def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int) -> jax.Array:
+    """Every block's scores at once, one softmax, then the values: [B, Hkv, R, Dh] f32."""
+    batch, _, rows_count, _ = q_rows.shape
     parts = []
     for block in blocks:
-        rows = q_rows if block.rotation is None else q_rows @ block.rotation.astype(q.dtype)
-        scores = _scores(rows, block) * scale  # [B, Hkv, G*S, Tk]
+        rows = q_rows if block.rotation is None else q_rows @ block.rotation.astype(q_rows.dtype)
+        scores = _scores(rows, block) * scale  # [B, Hkv, R, Tk]
         visible = _visible(block, q_positions, window)  # [B, S, Tk]
         visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
-        visible = visible.reshape(batch, 1, group * seq, -1)  # [B, 1, G*S, Tk]
+        visible = visible.reshape(batch, 1, rows_count, -1)  # [B, 1, R, Tk]
         parts.append(jnp.where(visible, scores, -jnp.inf))
     scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)  # [B,Hkv,R,ΣTk]
-    weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, G*S, ΣTk]
+    weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, ΣTk]
     out = None
     start = 0
     for block in blocks:
         size = block.num_keys
         part = weights if len(blocks) == 1 else weights[..., start:start + size]
-        contribution = _values(part, block, q.dtype)  # [B, Hkv, G*S, Dh]
+        contribution = _values(part, block, q_rows.dtype)  # [B, Hkv, R, Dh]
         if block.rotation is not None:
-            contribution = contribution @ block.rotation.T  # [B, Hkv, G*S, Dh] (float32)
+            contribution = contribution @ block.rotation.T  # [B, Hkv, R, Dh] (float32)
         out = contribution if out is None else out + contribution
         start += size
-    out = out.reshape(batch, num_kv_heads, group, seq, head_dim)  # [B, Hkv, G, S, Dh]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, num_heads, head_dim
-                                                       ).astype(q.dtype)
+    return out
+
+
+def _attend_partials(q_rows, q_positions, blocks, scale: float, window, group: int):
+    """Each block's partial softmax (long quantized blocks chunk by chunk), merged:
+    [B, Hkv, R, Dh] f32."""
+    partials = []
+    for block in blocks:
+        rows = q_rows if block.rotation is None else q_rows @ block.rotation.astype(q_rows.dtype)
+        chunked = _chunked_partial if _is_chunked(block) else _partial
+        high, total, acc = chunked(rows, q_positions, block, scale, window, group)
+        if block.rotation is not None:
+            acc = acc @ block.rotation.T  # [B, Hkv, R, Dh] (float32)
+        partials.append((high, total, acc))
+    return _merge(partials)
+
+
+def _partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int):
+    """One block's partial softmax: (max [B, Hkv, R, 1], sum of weights [B, Hkv, R, 1],
+    weighted values [B, Hkv, R, Dh]), all float32, relative to that max (R = G*S)."""
+    batch, kv_heads, rows_count, _ = rows.shape
+    scores = _scores(rows, block) * scale  # [B, Hkv, R, Tk]
+    visible = _visible(block, q_positions, window)  # [B, S, Tk]
+    visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
+    visible = visible.reshape(batch, 1, rows_count, -1)  # [B, 1, R, Tk]
+    scores = jnp.where(visible, scores, -jnp.inf)  # [B, Hkv, R, Tk]
+    high = jnp.max(scores, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
+    weights = jnp.exp(scores - _finite(high))  # [B, Hkv, R, Tk] (0 where invisible)
+    total = jnp.sum(weights, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
+    return high, total, _values(weights, block, rows.dtype)
+
+
+def _chunked_partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int):
+    """`_partial` of a long block, KEY_CHUNK keys per step of a loop (online softmax). The
+    last chunk starts at Tk - KEY_CHUNK; keys an earlier chunk already counted are masked."""
+    count = -(-block.num_keys // KEY_CHUNK)
+    batch, kv_heads, rows_count, _ = rows.shape
+    head_dim = rows.shape[-1]
+
+    def step(index, carry):
+        high, total, acc = carry
+        begin = jnp.minimum(index * KEY_CHUNK, block.num_keys - KEY_CHUNK)
+        part = _key_slice(block, begin, fresh_from=index * KEY_CHUNK)
+        p_high, p_total, p_acc = _partial(rows, q_positions, part, scale, window, group)
+        return _merge_two((high, total, acc), (p_high, p_total, p_acc))
+
+    empty = (jnp.full((batch, kv_heads, rows_count, 1), -jnp.inf, jnp.float32),
+             jnp.zeros((batch, kv_heads, rows_count, 1), jnp.float32),
+             jnp.zeros((batch, kv_heads, rows_count, head_dim), jnp.float32))
+    return jax.lax.fori_loop(0, count, step, empty)
+
+
+def _key_slice(block: KeyBlock, begin, fresh_from) -> KeyBlock:
+    """Keys [begin, begin + KEY_CHUNK) of a block; keys before `fresh_from` are invalid."""
+    def cut(a, axis):
+        return None if a is None else jax.lax.dynamic_slice_in_dim(a, begin, KEY_CHUNK, axis)
+
+    index = begin + jnp.arange(KEY_CHUNK, dtype=jnp.int32)  # [C]
+    fresh = (index >= fresh_from)[None]  # [1, C]
+    valid = fresh if block.valid is None else cut(block.valid, 1) & fresh  # [B|1, C]
+    positions = block.positions
+    return dataclasses.replace(
+        block, k=cut(block.k, 2), v=cut(block.v, 2), k_scale=cut(block.k_scale, 2),
+        v_scale=cut(block.v_scale, 2), positions=cut(positions, positions.ndim - 1),
+        valid=valid, bypass=cut(block.bypass, 1))
+
+
+def _finite(high: jax.Array) -> jax.Array:
+    """A max over no visible key (-inf) as 0, so exp(scores - max) stays 0, not NaN."""
+    return jnp.where(jnp.isfinite(high), high, 0.0)
+
+
+def _merge_two(a, b):
+    """Two partial softmaxes over disjoint keys -> one."""
+    high = jnp.maximum(a[0], b[0])  # [B, Hkv, R, 1]
+    wa, wb = jnp.exp(a[0] - _finite(high)), jnp.exp(b[0] - _finite(high))  # [B, Hkv, R, 1]
+    return high, a[1] * wa + b[1] * wb, a[2] * wa + b[2] * wb
+
+
+def _merge(partials) -> jax.Array:
+    """Partial softmaxes -> the attention output [B, Hkv, R, Dh] float32."""
+    merged = partials[0]
+    for part in partials[1:]:
+        merged = _merge_two(merged, part)
+    _, total, acc = merged
+    return acc / jnp.where(total > 0, total, 1.0)

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.checks import cache_nbytes, rollback_by_length
-from jaxgen.cache.layout import HEADS_MAJOR_AXES, heads_major, scatter_heads_major
+from jaxgen.cache.layout import (HEADS_MAJOR_AXES, fit_time, heads_major, scatter_heads_major,
+                                 stored_shape)
 
 
 @jax.tree_util.register_dataclass
@@ -57,11 +58,11 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return stored_shape(self.k)[3]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return stored_shape(self.k)[1]
 
     def nbytes(self) -> int:
         return cache_nbytes(self)
@@ -112,12 +113,7 @@ class KVCache:
 
     def resize(self, max_len: int) -> "KVCache":
         """A copy with T = max_len (grows with zeros, or crops; positions are unchanged)."""
-        pad = max_len - self.max_len
-        if pad < 0:
-            return dataclasses.replace(self, k=self.k[:, :, :, :max_len],
-                                       v=self.v[:, :, :, :max_len])
-        widths = ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))
-        return dataclasses.replace(self, k=jnp.pad(self.k, widths), v=jnp.pad(self.v, widths))
+        return dataclasses.replace(self, k=fit_time(self.k, max_len), v=fit_time(self.v, max_len))
 
 
 @jax.tree_util.register_dataclass

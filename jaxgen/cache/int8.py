@@ -59,7 +59,8 @@ import numpy as np
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.checks import cache_nbytes, rollback_by_length
-from jaxgen.cache.layout import HEADS_MAJOR_AXES, heads_major, scatter_heads_major
+from jaxgen.cache.layout import (HEADS_MAJOR_AXES, fit_time, heads_major, scatter_heads_major,
+                                 stored_dtype, stored_shape)
 from jaxgen.cache.ring import ring_write
 
 QMAX = {8: 127, 4: 7}
@@ -176,15 +177,15 @@ class QuantizedKVCache:
     # ------------------------------------------------------------------ shapes
     @property
     def max_len(self) -> int:
-        return self.kq.shape[3]
+        return stored_shape(self.kq)[3]
 
     @property
     def batch(self) -> int:
-        return self.kq.shape[1]
+        return stored_shape(self.kq)[1]
 
     @property
     def dtype(self):
-        return self.k_scale.dtype
+        return stored_dtype(self.k_scale)
 
     def nbytes(self) -> int:
         return cache_nbytes(self)
@@ -197,7 +198,7 @@ class QuantizedKVCache:
 
     @property
     def head_dim(self) -> int:
-        return self.kq.shape[-1] * (2 if self.nbits == 4 else 1)
+        return stored_shape(self.kq)[-1] * (2 if self.nbits == 4 else 1)
 
     def _rotated(self, x: jax.Array) -> jax.Array:
         """New K or V [B, S, Hkv, Dh] -> heads-major float32 [B, Hkv, S, Dh], times R."""
@@ -205,7 +206,7 @@ class QuantizedKVCache:
         return x if not self.rotate else x @ self.rotation  # [B, Hkv, S, Dh]
 
     def _write_codes(self, layer, k_new, v_new, positions) -> "QuantizedKVCache":
-        key_groups, value_groups = self.k_scale.shape[-1], self.v_scale.shape[-1]
+        key_groups, value_groups = stored_shape(self.k_scale)[-1], stored_shape(self.v_scale)[-1]
         kq, ks = quantize(self._rotated(k_new), self.nbits, key_groups, self.dtype)  # [B,Hkv,S,*]
         vq, vs = quantize(self._rotated(v_new), self.nbits, value_groups, self.dtype)
         put = lambda buf, new: scatter_heads_major(buf, new, positions, layer)  # noqa: E731
@@ -226,11 +227,10 @@ class QuantizedKVCache:
     # ------------------------------------------------------------------ reads
     def _codes_block(self, layer, bypass=None) -> KeyBlock:
         kq, vq = self.kq[layer], self.vq[layer]  # [B, Hkv, T, *]
-        if self.nbits == 4:
-            kq, vq = unpack4(kq), unpack4(vq)  # codes only; never multiplied by the scales
         return KeyBlock(k=kq, v=vq, positions=jnp.arange(self.max_len, dtype=jnp.int32),
                         k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
-                        min_age=self.residual_length, bypass=bypass, rotation=self.rotation)
+                        min_age=self.residual_length, bypass=bypass, rotation=self.rotation,
+                        unpack=unpack4 if self.nbits == 4 else None)  # codes, never scaled
 
     def _in_ring(self, layer) -> jax.Array:
         """bool [B, T]: key j has its full-precision copy in the residual ring."""
@@ -285,11 +285,7 @@ class QuantizedKVCache:
 
     def resize(self, max_len: int) -> "QuantizedKVCache":
         """A copy with T = max_len (the codes and scales grow with zeros, or are cropped)."""
-        def fit(a):
-            if max_len <= a.shape[3]:
-                return a[:, :, :, :max_len]
-            widths = [(0, 0)] * a.ndim
-            widths[3] = (0, max_len - a.shape[3])
-            return jnp.pad(a, widths)
-        return dataclasses.replace(self, kq=fit(self.kq), vq=fit(self.vq),
-                                   k_scale=fit(self.k_scale), v_scale=fit(self.v_scale))
+        return dataclasses.replace(self, kq=fit_time(self.kq, max_len),
+                                   vq=fit_time(self.vq, max_len),
+                                   k_scale=fit_time(self.k_scale, max_len),
+                                   v_scale=fit_time(self.v_scale, max_len))

@@ -28,7 +28,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from jaxgen.cache.dense import KVCache, attend_dense
-from jaxgen.cache.layout import heads_major, scatter_heads_major
+from jaxgen.cache.layout import heads_major, replace_layer, scatter_heads_major
 
 
 def host_memory_kind(requested: str = "pinned_host", offload_on_cpu: bool = False) -> str | None:
@@ -79,10 +79,10 @@ class OffloadedKVCache(KVCache):
 
     def _layer_out(self, layer, k_layer, v_layer) -> "OffloadedKVCache":
         if self.memory_kind is None:
-            return dataclasses.replace(self, k=self.k.at[layer].set(k_layer),
-                                       v=self.v.at[layer].set(v_layer))
-        return dataclasses.replace(self, k=self.k.at[layer].set(_to_host(k_layer)),
-                                   v=self.v.at[layer].set(_to_host(v_layer)))
+            return dataclasses.replace(self, k=replace_layer(self.k, layer, k_layer),
+                                       v=replace_layer(self.v, layer, v_layer))
+        return dataclasses.replace(self, k=replace_layer(self.k, layer, _to_host(k_layer)),
+                                   v=replace_layer(self.v, layer, _to_host(v_layer)))
 
     @staticmethod
     def _write(k_layer, v_layer, k_new, v_new, positions):

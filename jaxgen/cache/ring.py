@@ -24,18 +24,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgen.cache.layout import heads_major, scatter_heads_major, scatter_rows
+from jaxgen.cache.layout import heads_major, scatter_heads_major, scatter_rows, stored_shape
 
 
 def ring_write(k_buf: jax.Array, v_buf: jax.Array, pos_buf: jax.Array, layer,
                k_new: jax.Array, v_new: jax.Array, positions: jax.Array):
-    """Writes a chunk into ring buffers k/v [L, B, Hkv, S, Dh], pos [L, B, S].
+    """Writes a chunk into ring buffers k/v [L, B, Hkv, S, Dh], pos [L, B, S] (stacked or
+    split, jaxgen.cache.layout).
 
     k_new, v_new: [B, n, Hkv, Dh]; positions int32 [B, n] (contiguous per row). Only the
     chunk's last S tokens are written (earlier ones would collide with them).
     Returns the new (k_buf, v_buf, pos_buf).
     """
-    slots = k_buf.shape[3]
+    slots = stored_shape(k_buf)[3]
     if positions.shape[1] > slots:
         k_new, v_new, positions = k_new[:, -slots:], v_new[:, -slots:], positions[:, -slots:]
     slot = positions % slots  # [B, n]

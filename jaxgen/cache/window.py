@@ -54,7 +54,7 @@ import numpy as np
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.checks import cache_nbytes, rollback_by_length
-from jaxgen.cache.layout import HEADS_MAJOR_AXES, heads_major
+from jaxgen.cache.layout import HEADS_MAJOR_AXES, heads_major, stored_shape
 from jaxgen.cache.ring import ring_holds_window, ring_max_rollback, ring_write
 
 
@@ -89,11 +89,11 @@ class SlidingWindowCache:
     @property
     def max_len(self) -> int:
         """Slots per row (not a limit on positions)."""
-        return self.k.shape[3]
+        return stored_shape(self.k)[3]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return stored_shape(self.k)[1]
 
     def nbytes(self) -> int:
         return cache_nbytes(self)

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxgen.cache.layout import cache_dtype
 from jaxgen.contracts import DraftRequest
 from jaxgen.speculative.drafting import DraftBuffers, draft_step
 from jaxgen.speculative.mtp_assistant import target_reading_model
@@ -89,7 +90,7 @@ class DraftModelDrafter:
 
     def init(self, draft_params, state, target_params=None):
         """Prefills the draft cache with the prompt bucket; returns the cache."""
-        dtype = getattr(getattr(state.cache, "k", None), "dtype", jnp.float32)
+        dtype = cache_dtype(state.cache)
         cache = self.model.init_cache(state.batch, state.buffer_len, dtype)
         prompt = state.tokens[:, :state.prompt_bucket]  # [B, P]
         cache, _ = prefill_tokens(self.model, draft_params, prompt, state.prompt_len, cache,

@@ -47,6 +47,7 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxgen.cache.layout import cache_dtype
 from jaxgen.contracts import DraftRequest, Proposal
 from jaxgen.processors import sampling_warpers
 from jaxgen.sampling import sample_rows
@@ -173,7 +174,7 @@ class UadDrafter:
     # ------------------------------------------------------------ the loop's drafter hooks
     def init(self, draft_params, state, target_params=None):
         """An empty assistant cache of BUFFER_RATIO x the target's buffer (the host fills it)."""
-        dtype = getattr(getattr(state.cache, "k", None), "dtype", jnp.float32)
+        dtype = cache_dtype(state.cache)
         cache = self.model.init_cache(state.batch, self.buffer_ratio * state.buffer_len, dtype)
         empty = jnp.zeros((state.batch,), jnp.int32)
         return UadDraftState(cache=cache, drafts=jnp.zeros((state.batch, self.num_tokens),
