@@ -16,7 +16,7 @@ steps; "dynamic" holds the power-of-two bucket jaxgen.growing would have grown t
 only) plus 64 slots of rollback slack; "offloaded" is a no-op on CPU (host memory is the
 device memory), so it measures the same program as "static".
 
-    python benchmarks/bench_cache.py [--contexts 1024 4096 16384] [--steps 16]
+    python benchmarks/bench_cache.py [--contexts 1024 4096 16384] [--steps 16] [--stacked-cache]
 
 Prints a markdown table and saves benchmarks/bench_cache.png.
 """
@@ -41,6 +41,7 @@ BASE = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers
             num_heads=8, num_kv_heads=8, head_dim=64, max_position_embeddings=32768)
 WINDOW = 4096
 FILL_CHUNK = 1024
+SPLIT_CACHE = {"on": True}  # --stacked-cache: keep the [L, ...] cache (the A/B of the split)
 CHUNK = 64  # the growing driver's default chunk_size
 KINDS = {  # label -> (cache_implementation, cache_config, model window)
     "static": ("static", None, None),
@@ -77,7 +78,7 @@ def make_decode(model, steps: int):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, token, start):
         params = for_decoding(model, params, one_row=True)
-        if isinstance(params["layers"], list):
+        if isinstance(params["layers"], list) and SPLIT_CACHE["on"]:
             cache = split_cache(cache)
 
         def body(i, carry):
@@ -121,7 +122,11 @@ def main(argv=None):
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__),
                                                        "bench_cache.png"))
+    parser.add_argument("--stacked-cache", action="store_true",
+                        help="keep the cache stacked [L, ...] (what compiled calls ran before "
+                             "jaxgen.cache.layer_split)")
     args = parser.parse_args(argv)
+    SPLIT_CACHE["on"] = not args.stacked_cache
     start = time.perf_counter()
     rows = []
     for context in args.contexts:

@@ -4,7 +4,10 @@ Modules, lowest first (each imports only modules above it in this list):
 
     protocol    Cache, GrowableCache: what models and loops call
     checks      is_concrete, cache_nbytes, check_rollback, rollback_by_length
-    layout      heads_major, scatter_heads_major: the [.., B, Hkv, T, Dh] storage layout
+    layout      heads_major, scatter_heads_major, stored_shape: the [.., B, Hkv, T, Dh]
+                storage layout, per-layer fields stacked [L, ...] or split (tuples)
+    layer_split split_cache, stack_cache: a cache's per-layer fields as one buffer per
+                layer inside compiled calls with per-layer weights
     attention   KeyBlock, attend_blocks: the attention kernel every kind reads through
     ring        ring_write, ring_holds_window, ring_max_rollback: ring-buffer storage
     dense       KVCache ("static"), DynamicKVCache ("dynamic"), attend_dense

@@ -146,7 +146,7 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     """Grouped-query attention of q [B, S, H, Dh] over the union of `blocks`.
 
     q_positions: int32 [B, S]. Returns [B, S, H, Dh] in q's dtype. Softmax in fp32 over
-    every block's keys at once. A quantized block of at least 2 * KEY_CHUNK keys is read
+    every block's keys at once. An int8 block of at least 2 * KEY_CHUNK keys is read
     KEY_CHUNK keys per step of a loop (online softmax: each chunk's partial softmax merged
     into a running one), so its codes are widened to float one cache-resident chunk at a time
     instead of the whole layer at once (XLA:CPU does not widen inside the matmul).
@@ -170,7 +170,10 @@ KEY_CHUNK = 1024  # keys per loop step of a long quantized block (chunked from 2
 
 
 def _is_chunked(block: KeyBlock) -> bool:
-    return block.k_scale is not None and block.num_keys >= 2 * KEY_CHUNK
+    """Long int8 blocks only: packed 4-bit codes unpacked inside the loop ran 2.5x slower
+    than one unpack of the whole layer (benchmarks/bench_cache.py, 4k keys)."""
+    return (block.k_scale is not None and block.unpack is None
+            and block.num_keys >= 2 * KEY_CHUNK)
 
 
 def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int) -> jax.Array:

@@ -108,10 +108,10 @@ def pack4(codes: jax.Array) -> jax.Array:
 
 def unpack4(packed: jax.Array) -> jax.Array:
     """uint8 [..., Dh/2] -> int8 [..., Dh] (sign-extended 4-bit codes)."""
-    low = (packed & 0xF).astype(jnp.int8)  # [..., Dh/2]
-    high = (packed >> 4).astype(jnp.int8)  # [..., Dh/2]
+    signed = jax.lax.bitcast_convert_type(packed, jnp.int8)  # [..., Dh/2] the same bits
+    low = jax.lax.shift_right_arithmetic(signed << 4, jnp.int8(4))  # sign-extended low nibble
+    high = jax.lax.shift_right_arithmetic(signed, jnp.int8(4))  # sign-extended high nibble
     both = jnp.stack([low, high], axis=-1)  # [..., Dh/2, 2]
-    both = jnp.where(both > 7, both - 16, both).astype(jnp.int8)
     return both.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))  # [..., Dh]
 
 
