@@ -192,7 +192,9 @@ def test_int8_smollm2_greedy_agreement_20_prompts_x_128(smollm2):
 
 
 @pytest.mark.parametrize("config", [
-    {"nbits": 8}, {"nbits": 8, "q_group_size": 16}, {"nbits": 8, "residual_length": 40}])
+    {"nbits": 8, "residual_length": 40},
+    pytest.param({"nbits": 8}, marks=pytest.mark.slow),
+    pytest.param({"nbits": 8, "q_group_size": 16}, marks=pytest.mark.slow)])
 def test_long_quantized_layers_read_in_key_chunks_give_the_whole_layer_attention(
         config, monkeypatch):
     """Past 2 * KEY_CHUNK keys int8 codes are read chunk by chunk (online softmax, the last

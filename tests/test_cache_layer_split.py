@@ -19,7 +19,9 @@ KINDS = [("static", None), ("dynamic", None), ("quantized", {"nbits": 8, "residu
          ("offloaded", None)]
 
 
-@pytest.mark.parametrize("kind,config", KINDS)
+@pytest.mark.parametrize("kind,config", [  # the default run: the ring-holding kinds
+    kind if kind[0] in ("sliding_window",) or "residual_length" in (kind[1] or {})
+    else pytest.param(*kind, marks=pytest.mark.slow) for kind in KINDS])
 def test_a_split_cache_writes_and_reads_what_the_stacked_one_does(kind, config):
     shape = dict(num_layers=2, batch=2, max_len=8, num_kv_heads=2, head_dim=8)
     stacked = make_cache(kind, **shape, cache_config=config)
@@ -88,10 +90,12 @@ def _generate(monkeypatch, layout, cfg, prompts):
 
 @pytest.mark.parametrize("settings", [
     dict(max_new_tokens=5),
-    dict(max_new_tokens=5, do_sample=True, top_k=5),
-    dict(max_new_tokens=6, cache_implementation="quantized", cache_config={"nbits": 8}),
+    pytest.param(dict(max_new_tokens=5, do_sample=True, top_k=5), marks=pytest.mark.slow),
+    pytest.param(dict(max_new_tokens=6, cache_implementation="quantized",
+                      cache_config={"nbits": 8}), marks=pytest.mark.slow),
     dict(max_new_tokens=6, prompt_lookup_num_tokens=2),
-    dict(max_new_tokens=9, cache_implementation="dynamic"),
+    pytest.param(dict(max_new_tokens=9, cache_implementation="dynamic"),
+                 marks=pytest.mark.slow),
 ])
 def test_generate_carries_the_cache_split_and_returns_it_stacked(monkeypatch, settings):
     cfg = jaxgen.GenerationConfig(**settings)
