@@ -17,6 +17,7 @@ only) plus 64 slots of rollback slack; "offloaded" is a no-op on CPU (host memor
 device memory), so it measures the same program as "static".
 
     python benchmarks/bench_cache.py [--contexts 1024 4096 16384] [--steps 16] [--stacked-cache]
+    python benchmarks/bench_cache.py --prefill 4096 --kinds static "quantized int8"
 
 Prints a markdown table and saves benchmarks/bench_cache.png.
 """
@@ -115,6 +116,26 @@ def run_one(label: str, context: int, steps: int) -> dict:
                 first_call_s=compile_and_first)
 
 
+def prefill_seconds(label: str, context: int, repeats: int = 2) -> float:
+    """Best-of-repeats seconds of `jaxgen.generate` for a `context`-token prompt and 4 new
+    tokens (the prefill dominates), with the kind's cache, after a compiling call."""
+    import jaxgen
+
+    kind, cache_config, window = KINDS[label]
+    model = Llama(LlamaConfig(**BASE, sliding_window=window))
+    params = model.init_params(jax.random.key(0))
+    prompt = jax.random.randint(jax.random.key(2), (1, context), 3, BASE["vocab_size"]).tolist()
+    cfg = jaxgen.GenerationConfig(max_new_tokens=4, min_new_tokens=4,
+                                  cache_implementation=kind, cache_config=cache_config)
+    times = []
+    for _ in range(repeats + 1):
+        state = jaxgen.init_state(model, prompt, cfg)
+        t0 = time.perf_counter()
+        jax.block_until_ready(jaxgen.generate(params, state, cfg))
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -125,8 +146,16 @@ def main(argv=None):
     parser.add_argument("--stacked-cache", action="store_true",
                         help="keep the cache stacked [L, ...] (what compiled calls ran before "
                              "jaxgen.cache.layer_split)")
+    parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                        help="instead: seconds of generate() for a prompt of TOKENS tokens "
+                             "and 4 new ones, per kind")
     args = parser.parse_args(argv)
     SPLIT_CACHE["on"] = not args.stacked_cache
+    if args.prefill:
+        for label in args.kinds:
+            print(f"  {label:24s} prompt {args.prefill}: "
+                  f"{prefill_seconds(label, args.prefill):.2f} s", flush=True)
+        return None
     start = time.perf_counter()
     rows = []
     for context in args.contexts:
