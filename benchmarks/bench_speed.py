@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgen
+from jaxgen.cache.layer_split import split_cache
 from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
 from jaxgen.models.layer_split import layout_override
 from jaxgen.models.quantize import quantize_params
@@ -242,7 +243,7 @@ def profile_pieces(model, params, batch: int, steps: int = 32, repeats: int = 5)
         "layers": (layers_only, params, (cache, x0)),
         "head (norm + 49152x576)": (head_only, params, x0),
         "weight matmuls only": (matmuls_only, per_layer, x0),
-        "cache write + attention": (attend_only, params, (cache, x0)),
+        "cache write + attention": (attend_only, params, (split_cache(cache), x0)),  # as generate
         "choose + logprobs": (choose_only, params, (logits0, tokens)),
     }
     out = {}
