@@ -42,7 +42,6 @@ BASE = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers
             num_heads=8, num_kv_heads=8, head_dim=64, max_position_embeddings=32768)
 WINDOW = 4096
 FILL_CHUNK = 1024
-SPLIT_CACHE = {"on": True}  # --stacked-cache: keep the [L, ...] cache (the A/B of the split)
 CHUNK = 64  # the growing driver's default chunk_size
 KINDS = {  # label -> (cache_implementation, cache_config, model window)
     "static": ("static", None, None),
@@ -72,14 +71,14 @@ def fill(cache, context: int, key):
     return cache.with_length(jnp.full((1,), context, jnp.int32))
 
 
-def make_decode(model, steps: int):
+def make_decode(model, steps: int, split: bool = True):
     """`steps` greedy steps in one jitted loop, over what a compiled generate call runs: the
     weights as `for_decoding` lays them out and, with per-layer weights, the cache split per
-    layer (jaxgen.compiled)."""
+    layer (jaxgen.compiled; split=False keeps it stacked)."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, token, start):
         params = for_decoding(model, params, one_row=True)
-        if isinstance(params["layers"], list) and SPLIT_CACHE["on"]:
+        if isinstance(params["layers"], list) and split:
             cache = split_cache(cache)
 
         def body(i, carry):
@@ -92,7 +91,7 @@ def make_decode(model, steps: int):
     return decode
 
 
-def run_one(label: str, context: int, steps: int) -> dict:
+def run_one(label: str, context: int, steps: int, split: bool = True) -> dict:
     kind, cache_config, window = KINDS[label]
     model = Llama(LlamaConfig(**BASE, sliding_window=window))
     params = model.init_params(jax.random.key(0))
@@ -102,7 +101,7 @@ def run_one(label: str, context: int, steps: int) -> dict:
     cache = model.init_cache(1, capacity, kind=kind, cache_config=cache_config)
     cache = fill(cache, context, jax.random.key(1))
     nbytes = cache.nbytes()
-    decode = make_decode(model, steps)
+    decode = make_decode(model, steps, split)
     token = jnp.zeros((1,), jnp.int32)
     t0 = time.perf_counter()
     cache, token = decode(params, cache, token, jnp.int32(context))
@@ -150,7 +149,6 @@ def main(argv=None):
                         help="instead: seconds of generate() for a prompt of TOKENS tokens "
                              "and 4 new ones, per kind")
     args = parser.parse_args(argv)
-    SPLIT_CACHE["on"] = not args.stacked_cache
     if args.prefill:
         for label in args.kinds:
             print(f"  {label:24s} prompt {args.prefill}: "
@@ -160,7 +158,7 @@ def main(argv=None):
     rows = []
     for context in args.contexts:
         for label in args.kinds:
-            row = run_one(label, context, args.steps)
+            row = run_one(label, context, args.steps, split=not args.stacked_cache)
             rows.append(row)
             print(f"  {label:24s} ctx {context:6d}: {row['bytes'] / 2**20:8.1f} MiB  "
                   f"{row['tokens_per_s']:7.1f} tok/s  (first call {row['first_call_s']:.1f}s)",

@@ -176,17 +176,31 @@ def _is_chunked(block: KeyBlock) -> bool:
             and block.num_keys >= 2 * KEY_CHUNK)
 
 
+def _in_block_basis(q_rows: jax.Array, block: KeyBlock) -> jax.Array:
+    """Query rows [B, Hkv, R, Dh] in the basis the block's keys are stored in (q R)."""
+    return q_rows if block.rotation is None else q_rows @ block.rotation.astype(q_rows.dtype)
+
+
+def _out_of_block_basis(out: jax.Array, block: KeyBlock) -> jax.Array:
+    """A block's weighted values [B, Hkv, R, Dh] rotated back by R^T (float32)."""
+    return out if block.rotation is None else out @ block.rotation.T
+
+
+def _masked_scores(rows, q_positions, block: KeyBlock, scale: float, window, group: int):
+    """Scaled scores [B, Hkv, R, Tk] of rows already in the block's basis, -inf where a key
+    is invisible to the query position of that row (R = G*S, group-major)."""
+    batch, _, rows_count, _ = rows.shape
+    scores = _scores(rows, block) * scale  # [B, Hkv, R, Tk]
+    visible = _visible(block, q_positions, window)  # [B, S, Tk]
+    visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
+    visible = visible.reshape(batch, 1, rows_count, -1)  # [B, 1, R, Tk]
+    return jnp.where(visible, scores, -jnp.inf)
+
+
 def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int) -> jax.Array:
     """Every block's scores at once, one softmax, then the values: [B, Hkv, R, Dh] f32."""
-    batch, _, rows_count, _ = q_rows.shape
-    parts = []
-    for block in blocks:
-        rows = q_rows if block.rotation is None else q_rows @ block.rotation.astype(q_rows.dtype)
-        scores = _scores(rows, block) * scale  # [B, Hkv, R, Tk]
-        visible = _visible(block, q_positions, window)  # [B, S, Tk]
-        visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
-        visible = visible.reshape(batch, 1, rows_count, -1)  # [B, 1, R, Tk]
-        parts.append(jnp.where(visible, scores, -jnp.inf))
+    parts = [_masked_scores(_in_block_basis(q_rows, block), q_positions, block, scale, window,
+                            group) for block in blocks]  # each [B, Hkv, R, Tk]
     scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)  # [B,Hkv,R,ΣTk]
     weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, ΣTk]
     out = None
@@ -194,9 +208,7 @@ def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int)
     for block in blocks:
         size = block.num_keys
         part = weights if len(blocks) == 1 else weights[..., start:start + size]
-        contribution = _values(part, block, q_rows.dtype)  # [B, Hkv, R, Dh]
-        if block.rotation is not None:
-            contribution = contribution @ block.rotation.T  # [B, Hkv, R, Dh] (float32)
+        contribution = _out_of_block_basis(_values(part, block, q_rows.dtype), block)
         out = contribution if out is None else out + contribution
         start += size
     return out
@@ -207,24 +219,17 @@ def _attend_partials(q_rows, q_positions, blocks, scale: float, window, group: i
     [B, Hkv, R, Dh] f32."""
     partials = []
     for block in blocks:
-        rows = q_rows if block.rotation is None else q_rows @ block.rotation.astype(q_rows.dtype)
         chunked = _chunked_partial if _is_chunked(block) else _partial
-        high, total, acc = chunked(rows, q_positions, block, scale, window, group)
-        if block.rotation is not None:
-            acc = acc @ block.rotation.T  # [B, Hkv, R, Dh] (float32)
-        partials.append((high, total, acc))
+        high, total, acc = chunked(_in_block_basis(q_rows, block), q_positions, block, scale,
+                                   window, group)
+        partials.append((high, total, _out_of_block_basis(acc, block)))
     return _merge(partials)
 
 
 def _partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int):
     """One block's partial softmax: (max [B, Hkv, R, 1], sum of weights [B, Hkv, R, 1],
     weighted values [B, Hkv, R, Dh]), all float32, relative to that max (R = G*S)."""
-    batch, kv_heads, rows_count, _ = rows.shape
-    scores = _scores(rows, block) * scale  # [B, Hkv, R, Tk]
-    visible = _visible(block, q_positions, window)  # [B, S, Tk]
-    visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
-    visible = visible.reshape(batch, 1, rows_count, -1)  # [B, 1, R, Tk]
-    scores = jnp.where(visible, scores, -jnp.inf)  # [B, Hkv, R, Tk]
+    scores = _masked_scores(rows, q_positions, block, scale, window, group)  # [B, Hkv, R, Tk]
     high = jnp.max(scores, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
     weights = jnp.exp(scores - _finite(high))  # [B, Hkv, R, Tk] (0 where invisible)
     total = jnp.sum(weights, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
