@@ -56,7 +56,7 @@ def _stacked_cache(state):
     alias the outputs and every chunk of the chunked driver runs the same program)."""
     from jaxgen.cache.layer_split import stack_cache
 
-    if state is None or not hasattr(state, "cache"):
+    if not hasattr(state, "cache"):  # None, or a loop state without a cache
         return state
     return state.replace(cache=stack_cache(state.cache))
 
