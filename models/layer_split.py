@@ -43,6 +43,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxgen.models.rowwise import rowwise_layer
+
 LAYOUT_VARIABLE = "JAXGEN_LAYER_LAYOUT"
 LAYOUTS = ("auto", "stacked", "split")
 SPLIT_MIN_BYTES = 16 << 20  # "auto" splits layer weights of at least this many bytes
@@ -53,12 +55,14 @@ def is_stacked(params) -> bool:
     return isinstance(params, Mapping) and isinstance(params.get("layers"), Mapping)
 
 
-def split_layers(params, fuse: bool = False):
+def split_layers(params, fuse: bool = False, rowwise: bool = False):
     """params with stacked `layers` -> the same params with `layers` a list of per-layer
     dicts and, for tied embeddings, `lm_head` = embed.T [D, V] (sliced and transposed once,
     behind an optimization barrier): `unstack_layers`' layout. fuse: each layer's
     projections concatenated as well (`fuse_projections`; for programs whose forwards run
-    one row). Other params unchanged."""
+    one row). rowwise: each layer matrix wrapped in `models/rowwise.RowwiseMatrix`, so
+    forwards of 2 to ROWWISE_MAX_ROWS rows run a matrix-vector product per row (CPU). Other
+    params unchanged."""
     if not is_stacked(params):
         return params
     layers = params["layers"]
@@ -67,6 +71,8 @@ def split_layers(params, fuse: bool = False):
                  for i in range(count)]
     if fuse:
         per_layer = [fuse_projections(layer) for layer in per_layer]
+    if rowwise:
+        per_layer = [rowwise_layer(layer) for layer in per_layer]
     extra = {} if "lm_head" in params else {"lm_head": params["embed"].T}  # [D, V]
     per_layer, extra = jax.lax.optimization_barrier((per_layer, extra))
     return dict(params, layers=per_layer, **extra)
@@ -136,8 +142,9 @@ def _layer_bytes(params) -> int:
 
 
 def for_decoding(model, params, one_row: bool = False):
-    """The params a compiled generate call runs: `split_layers(params, fuse=one_row)` (one_row:
-    the program's decode forwards run a single row) for jaxgen's Llama with
+    """The params a compiled generate call runs: `split_layers(params, fuse=one_row,
+    rowwise=on CPU)` (one_row: the program's decode forwards run a single row) for jaxgen's
+    Llama with
     stacked layers when the layout setting is "split", or "auto" on a single CPU device with at
     least SPLIT_MIN_BYTES of layer weights; params unchanged otherwise (other models, per-layer
     params; under "auto" small models, accelerators and meshes).
@@ -162,4 +169,4 @@ def for_decoding(model, params, one_row: bool = False):
     if setting == "auto" and (jax.default_backend() != "cpu" or jax.device_count() > 1
                               or _layer_bytes(params) < SPLIT_MIN_BYTES):
         return params  # accelerators, CPU meshes (a test device's emulation), small models
-    return split_layers(params, fuse=one_row)
+    return split_layers(params, fuse=one_row, rowwise=jax.default_backend() == "cpu")

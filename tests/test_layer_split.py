@@ -67,7 +67,8 @@ def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 
     calls = []
     real = layer_split.split_layers
     monkeypatch.setattr(layer_split, "split_layers",
-                        lambda p, fuse=False: calls.append(fuse) or real(p, fuse))
+                        lambda p, fuse=False, rowwise=False: calls.append(fuse)
+                        or real(p, fuse, rowwise))
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     model, params = tiny_llama(num_layers=3, intermediate_size=40)
     cfg = jaxgen.GenerationConfig(max_new_tokens=max_new_tokens)
