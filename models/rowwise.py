@@ -48,14 +48,6 @@ class RowwiseMatrix:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.weight.shape)
 
-    @property
-    def dtype(self):
-        return self.weight.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
-
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
         """x [..., K] @ self -> [..., N]."""
         *lead, width = x.shape
@@ -77,8 +69,12 @@ def rowwise_layer(layer: dict) -> dict:
         >>> type(wrapped["wq"]).__name__, type(wrapped["attn_norm"]).__name__
         ('RowwiseMatrix', 'ArrayImpl')
     """
-    return {name: RowwiseMatrix(value) if isinstance(value, jax.Array) and value.ndim == 2
-            else value for name, value in layer.items()}
+    def is_float_matrix(value) -> bool:
+        return (isinstance(value, jax.Array) and value.ndim == 2
+                and jnp.issubdtype(value.dtype, jnp.floating))
+
+    return {name: RowwiseMatrix(value) if is_float_matrix(value) else value
+            for name, value in layer.items()}
 
 
 __all__ = ["ROWWISE_MAX_ROWS", "RowwiseMatrix", "rowwise_layer"]
