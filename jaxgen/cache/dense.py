@@ -133,5 +133,6 @@ def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Arra
     Key j is visible to a query at position p iff j <= p (and p - j < window). Softmax in fp32.
     Returns [B, S, H, Dh] in q's dtype.
     """
-    block = KeyBlock(k=k, v=v, positions=jnp.arange(k.shape[2], dtype=jnp.int32))
+    block = KeyBlock(k=k, v=v, positions=jnp.arange(k.shape[2], dtype=jnp.int32),
+                     ordered=True)
     return attend_blocks(q, q_positions, [block], scale=scale, window=window)
