@@ -106,3 +106,38 @@ def test_long_prompt_generates_the_same_tokens_blocked_and_whole(monkeypatch):
     np.testing.assert_array_equal(tokens(32, None), whole)
     np.testing.assert_array_equal(tokens(32, 40), whole)  # pieces of 40 run the blocked read
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("mistral", dict(num_key_value_heads=2, sliding_window=100)),
+    pytest.param("llama", dict(num_key_value_heads=2), marks=pytest.mark.slow)])
+def test_long_prompts_match_transformers(arch, overrides, tmp_path):
+    """Ragged 600- and 530-token prompts (blocked prefill reads, a sliding window's lower
+    edge for Mistral) generate transformers' greedy tokens, fp32."""
+    from model_fixtures import hf_generate_rows, make_hf_model, save_hf_model
+    from jaxgen.models import load
+
+    hf = make_hf_model(arch, seed=3, max_position_embeddings=1024, **overrides)
+    model, params, _ = load(save_hf_model(hf, str(tmp_path)))
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, 96, n)] for n in (600, 530)]
+    expected = hf_generate_rows(hf, prompts, 0, max_new_tokens=8, do_sample=False,
+                                eos_token_id=2, top_k=None, top_p=None, temperature=None)
+    got = jaxgen.generate_ids(model, params, prompts, max_new_tokens=8, eos_token_id=2,
+                              pad_token_id=0)
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_long_prompt_matches_transformers_on_smollm2():
+    """A 700-token English prompt on the embedded SmolLM2: transformers' greedy tokens."""
+    from model_fixtures import hf_generate_rows, smollm2_pair
+
+    model, params, tokenizer, hf = smollm2_pair()
+    text = ("The river town kept a ledger of every boat that passed its bridge, with the "
+            "cargo, the crew and the weather of the day. ")
+    prompt = (tokenizer.encode(text) * 40)[:700]
+    expected = hf_generate_rows(hf, [prompt], 0, max_new_tokens=12, do_sample=False,
+                                eos_token_id=None, top_k=None, top_p=None, temperature=None)
+    assert jaxgen.generate_ids(model, params, [prompt], max_new_tokens=12,
+                               pad_token_id=0) == expected
