@@ -77,7 +77,7 @@ def make_decode(model, steps: int, split: bool = True):
     layer (jaxgen.compiled; split=False keeps it stacked)."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, token, start):
-        params = for_decoding(model, params, one_row=True)
+        params = for_decoding(model, params, rows=1)
         if isinstance(params["layers"], list) and split:
             cache = split_cache(cache)
 

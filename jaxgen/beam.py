@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from jaxgen import stopping
 from jaxgen.cache import Cache
+from jaxgen.cache.layer_split import is_split, split_cache
 from jaxgen.config import GenerationConfig
 from jaxgen.constraint_automaton import advance, mask_scores
 from jaxgen.extensions import NO_EXTENSIONS, Extensions
@@ -57,16 +58,20 @@ NEG = -1.0e9  # HF's "impossible" score offset (kept identical: it shapes fp32 r
 
 
 # ------------------------------------------------------------------------- cache rows
-def cache_batch_axes(model, cfg: GenerationConfig, buffer_len: int, bucket: int) -> tuple:
+def cache_batch_axes(model, cfg: GenerationConfig, buffer_len: int, bucket: int,
+                     split: bool = False) -> tuple:
     """For each cache leaf (in `jax.tree_util.tree_leaves` order), the axis that indexes batch
-    rows, or None for leaves without one.
+    rows, or None for leaves without one. split: the cache's per-layer fields are split into
+    one buffer per layer (jaxgen.cache.layer_split, as compiled CPU programs carry it).
 
     Found by comparing the shapes of the cache `init_state` builds for two batch sizes (no
     allocation), so every cache kind honouring the model contract works (dense, int8, ring).
     """
     def shapes(batch):
-        cache = jax.eval_shape(lambda: init_cache_for(model, cfg, batch, buffer_len, bucket))
-        return jax.tree_util.tree_leaves(cache)
+        def build():
+            cache = init_cache_for(model, cfg, batch, buffer_len, bucket)
+            return split_cache(cache) if split else cache
+        return jax.tree_util.tree_leaves(jax.eval_shape(build))
 
     two, three = shapes(2), shapes(3)
 
@@ -390,7 +395,8 @@ def beam_search(params, state: DecodeState, cfg: GenerationConfig,
     returns = cfg.num_return_sequences
     if returns > beams:
         raise ValueError(f"`num_return_sequences` ({returns}) has to be <= `num_beams` ({beams})")
-    axes = cache_batch_axes(model, cfg, buffer_len, state.prompt_bucket)
+    axes = cache_batch_axes(model, cfg, buffer_len, state.prompt_bucket,
+                            split=is_split(state.cache))
     lp = jnp.broadcast_to(jnp.asarray(cfg.length_penalty, jnp.float32).reshape(-1), (batch,))
     static = _Static(
         num_beams=beams, width=num_candidates(cfg), vocab=model.vocab_size,

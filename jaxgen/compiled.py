@@ -33,20 +33,26 @@ from jaxgen import executable_cache
 _TRACES = {"generate": 0}
 
 
-def _decoding_inputs(params, state, loop):
+def _decoding_inputs(params, state, loop, cfg):
     """The weights' layout the loop runs and the state it carries (models/layer_split.py:
-    weights split per layer on CPU, the projections fused when plain decoding runs one row;
-    then the KV cache is split per layer too, jaxgen.cache.layer_split, for the loops known
-    to carry it as it is: plain and assisted decoding)."""
+    weights split per layer on CPU, the projections fused when every decode forward runs a
+    few rows: plain decoding's batch, beam search's batch x beams; then the KV cache is split
+    per layer too, jaxgen.cache.layer_split, for the loops known to carry it as it is: plain,
+    assisted and beam decoding)."""
+    from jaxgen.beam import BeamLoop
     from jaxgen.cache.layer_split import split_cache
     from jaxgen.decode import DecodeLoop
     from jaxgen.models.layer_split import for_decoding
     from jaxgen.speculative.loop import SpeculativeLoop
 
-    one_row = type(loop) is DecodeLoop and state.batch == 1  # a DecodeLoop runs a DecodeState
-    decoded = for_decoding(getattr(state, "model", None), params, one_row=one_row)
+    rows = None  # assisted rounds verify forwards of several widths
+    if type(loop) is DecodeLoop:  # a DecodeLoop runs a DecodeState
+        rows = state.batch
+    elif type(loop) is BeamLoop:
+        rows = state.batch * int(cfg.num_beams)
+    decoded = for_decoding(getattr(state, "model", None), params, rows=rows)
     unrolled = isinstance(decoded, dict) and isinstance(decoded.get("layers"), (list, tuple))
-    if unrolled and type(loop) in (DecodeLoop, SpeculativeLoop):
+    if unrolled and type(loop) in (DecodeLoop, SpeculativeLoop, BeamLoop):
         state = state.replace(cache=split_cache(state.cache))
     return decoded, state
 
@@ -63,20 +69,20 @@ def _stacked_cache(state):
 
 def _run(params, state, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    output = loop.run(*_decoding_inputs(params, state, loop), cfg, inputs)
+    output = loop.run(*_decoding_inputs(params, state, loop, cfg), cfg, inputs)
     final = getattr(output, "state", None)
     return output if final is None else dataclasses.replace(output, state=_stacked_cache(final))
 
 
 def _start(params, state, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    state, carry = loop.start(*_decoding_inputs(params, state, loop), cfg, inputs)
+    state, carry = loop.start(*_decoding_inputs(params, state, loop, cfg), cfg, inputs)
     return _stacked_cache(state), carry
 
 
 def _advance(params, state, carry, begin, end, cfg, inputs, *, loop):
     _TRACES["generate"] += 1
-    params, state = _decoding_inputs(params, state, loop)
+    params, state = _decoding_inputs(params, state, loop, cfg)
     state, carry = loop.advance(params, state, carry, begin, end, cfg, inputs)
     return _stacked_cache(state), carry
 

@@ -5,8 +5,9 @@ weights ([L, ...] arrays) every layer's matrices are first copied out of the sta
 `dynamic-slice` fusion before each dot), so a decode step reads and writes each weight twice
 more than it multiplies with it. `split_layers`, traced at the top of a jitted call before
 its decode loop, slices the stack once per call into per-layer buffers (the same layout as
-`unstack_layers`, a tied head included: its own [D, V] copy; for one-row programs the
-matrices that share an input concatenated, see `fuse_projections`), so the forward unrolls
+`unstack_layers`, a tied head included: its own [D, V] copy, read by forwards of 1-2 rows;
+for programs of 1 to ROWWISE_MAX_ROWS rows the matrices that share an input concatenated, see
+`fuse_projections`), so the forward unrolls
 over layers and every step's matmuls read the weights in place. The optimization barrier keeps
 XLA from sinking the slices back into the loop body. Cost: one copy of the weights per call
 and that much extra memory while the call runs; compile time is above the unrolled
@@ -43,7 +44,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxgen.models.rowwise import rowwise_layer
+from jaxgen.models.rowwise import ROWWISE_MAX_ROWS, rowwise_layer
 
 LAYOUT_VARIABLE = "JAXGEN_LAYER_LAYOUT"
 LAYOUTS = ("auto", "stacked", "split")
@@ -60,7 +61,7 @@ def split_layers(params, fuse: bool = False, rowwise: bool = False):
     dicts and, for tied embeddings, `lm_head` = embed.T [D, V] (sliced and transposed once,
     behind an optimization barrier): `unstack_layers`' layout. fuse: each layer's
     projections concatenated as well (`fuse_projections`; for programs whose forwards run
-    one row). rowwise: each layer matrix wrapped in `models/rowwise.RowwiseMatrix`, so
+    1 to ROWWISE_MAX_ROWS rows). rowwise: each layer matrix wrapped in `models/rowwise.RowwiseMatrix`, so
     forwards of 2 to ROWWISE_MAX_ROWS rows run a matrix-vector product per row (CPU). Other
     params unchanged."""
     if not is_stacked(params):
@@ -83,9 +84,10 @@ def fuse_projections(layer: dict) -> dict:
     = [wq | wk | wv] ([D, (H + 2K) Dh]) and `w_gate_up` = [w_gate | w_up] ([D, 2F]), so a
     forward runs 4 weight matmuls a layer instead of 7. On XLA:CPU this pays for one-row
     forwards, where each matmul is a matrix-vector kernel with a fixed cost of its own
-    (SmolLM2 batch 1: 0.86x the time a step), and not from two rows on (1.02-1.12x: the
-    matrix-matrix kernels run the wider matrices slower). Quantized matrices (Int8Matrix,
-    BlockMatrix) stay as they are.
+    (SmolLM2 batch 1: 0.86x the time a step), and for 2-4 rows run row by row
+    (`models/rowwise.py`: greedy batch 2 / 4 and 4 beams 0.88 / 0.84 / 0.91x the time a
+    step), not for plain matrix-matrix products (1.02-1.12x: their kernels run the wider
+    matrices slower). Quantized matrices (Int8Matrix, BlockMatrix) stay as they are.
 
     Example:
         >>> import jax.numpy as jnp
@@ -141,10 +143,10 @@ def _layer_bytes(params) -> int:
                for leaf in jax.tree_util.tree_leaves(params["layers"]))
 
 
-def for_decoding(model, params, one_row: bool = False):
-    """The params a compiled generate call runs: `split_layers(params, fuse=one_row,
-    rowwise=on CPU)` (one_row: the program's decode forwards run a single row) for jaxgen's
-    Llama with
+def for_decoding(model, params, rows: int | None = None):
+    """The params a compiled generate call runs: `split_layers(params, fuse=rows <=
+    ROWWISE_MAX_ROWS, rowwise=on CPU)` (rows: how many rows each decode forward of the
+    program runs, None when that varies or is unknown) for jaxgen's Llama with
     stacked layers when the layout setting is "split", or "auto" on a single CPU device with at
     least SPLIT_MIN_BYTES of layer weights; params unchanged otherwise (other models, per-layer
     params; under "auto" small models, accelerators and meshes).
@@ -169,4 +171,6 @@ def for_decoding(model, params, one_row: bool = False):
     if setting == "auto" and (jax.default_backend() != "cpu" or jax.device_count() > 1
                               or _layer_bytes(params) < SPLIT_MIN_BYTES):
         return params  # accelerators, CPU meshes (a test device's emulation), small models
-    return split_layers(params, fuse=one_row, rowwise=jax.default_backend() == "cpu")
+    rowwise = jax.default_backend() == "cpu"
+    fuse = rows is not None and (rows == 1 or (rowwise and rows <= ROWWISE_MAX_ROWS))
+    return split_layers(params, fuse=fuse, rowwise=rowwise)

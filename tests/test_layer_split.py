@@ -58,7 +58,8 @@ def test_split_is_the_unstacked_layout():
     assert split_layers(unstacked) is unstacked
 
 
-def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 1, 4), (1, 5))):
+def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 1, 4), (1, 5)),
+                              **settings):
     """generate() on a tiny Llama with $JAXGEN_LAYER_LAYOUT=layout: (output, the `fuse` flag
     of each split call)."""
     import jaxgen
@@ -71,7 +72,7 @@ def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 
                         or real(p, fuse, rowwise))
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     model, params = tiny_llama(num_layers=3, intermediate_size=40)
-    cfg = jaxgen.GenerationConfig(max_new_tokens=max_new_tokens)
+    cfg = jaxgen.GenerationConfig(max_new_tokens=max_new_tokens, **settings)
     out = jaxgen.generate(params, jaxgen.init_state(model, [list(p) for p in prompts], cfg), cfg)
     return out, list(calls)  # a copy: a later call's patch wraps this one
 
@@ -84,7 +85,7 @@ def test_generate_decodes_split_weights_by_default_on_cpu(monkeypatch):
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)  # as if the tiny model were large
     split, split_calls = _generate_counting_splits(monkeypatch, "auto", 5)
     stacked, stacked_calls = _generate_counting_splits(monkeypatch, "stacked", 6)
-    assert small_calls == [] and split_calls == [False] and stacked_calls == []
+    assert small_calls == [] and split_calls == [True] and stacked_calls == []  # 2 rows
     for row, length in enumerate(split.lengths.tolist()):  # the same first 5 new tokens
         assert jnp.array_equal(split.sequences[row, :length], stacked.sequences[row, :length])
 
@@ -116,9 +117,35 @@ def test_one_row_programs_fuse_the_projections_and_keep_the_tokens(monkeypatch):
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     one, one_calls = _generate_counting_splits(monkeypatch, "auto", 7, prompts=((3, 1, 4),))
     stacked, _ = _generate_counting_splits(monkeypatch, "stacked", 8, prompts=((3, 1, 4),))
-    assert one_calls == [True]  # batch 1, plain decoding: fused; batch 2 above: not
+    assert one_calls == [True]  # batch 1, plain decoding: fused
     assert jnp.array_equal(one.sequences[0, :one.lengths[0]],
                            stacked.sequences[0, :one.lengths[0]])
+
+
+def test_programs_fuse_when_every_forward_runs_at_most_four_rows(monkeypatch):
+    """Plain decoding: the batch; beam search: batch x beams; assisted rounds: never."""
+    import jaxgen
+    from jaxgen.beam import BeamLoop
+    from jaxgen.compiled import _decoding_inputs
+    from jaxgen.decode import DecodeLoop
+    from jaxgen.models import layer_split
+    from jaxgen.models.rowwise import ROWWISE_MAX_ROWS
+    from jaxgen.speculative import prompt_lookup
+    from jaxgen.speculative.loop import SpeculativeLoop
+
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
+    model, params = tiny_llama()
+
+    def fused(loop, batch, **settings) -> bool:
+        cfg = jaxgen.GenerationConfig(max_new_tokens=2, pad_token_id=0, **settings)
+        state = jaxgen.init_state(model, [[3, 1, 4]] * batch, cfg)
+        return "wqkv" in _decoding_inputs(params, state, loop, cfg)[0]["layers"][0]
+
+    top = ROWWISE_MAX_ROWS
+    assert fused(DecodeLoop(), top) and not fused(DecodeLoop(), top + 1)
+    assert fused(BeamLoop(), 1, num_beams=top) and not fused(BeamLoop(), 1, num_beams=top + 1)
+    assert not fused(BeamLoop(), 2, num_beams=top // 2 + 1)
+    assert not fused(SpeculativeLoop(prompt_lookup.PromptLookupDrafter(2, 2)), 1)
 
 
 def test_fused_projections_give_the_separate_ones_outputs_with_biases_and_qk_norm():
