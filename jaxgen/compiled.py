@@ -35,19 +35,19 @@ _TRACES = {"generate": 0}
 
 def _decoding_inputs(params, state, loop, cfg):
     """The weights' layout the loop runs and the state it carries (models/layer_split.py:
-    weights split per layer on CPU, the projections fused when every decode forward runs a
-    few rows: plain decoding's batch, beam search's batch x beams; then the KV cache is split
-    per layer too, jaxgen.cache.layer_split, for the loops known to carry it as it is: plain,
-    assisted and beam decoding)."""
+    weights split per layer on CPU, the projections fused when decode forwards run a few
+    rows: plain and assisted decoding's batch, beam search's batch x beams; then the KV
+    cache is split per layer too, jaxgen.cache.layer_split, for the loops known to carry it
+    as it is: plain, assisted and beam decoding)."""
     from jaxgen.beam import BeamLoop
     from jaxgen.cache.layer_split import split_cache
     from jaxgen.decode import DecodeLoop
     from jaxgen.models.layer_split import for_decoding
     from jaxgen.speculative.loop import SpeculativeLoop
 
-    rows = None  # assisted rounds verify forwards of several widths
-    if type(loop) is DecodeLoop:  # a DecodeLoop runs a DecodeState
-        rows = state.batch
+    rows = None  # other loops: unknown
+    if type(loop) in (DecodeLoop, SpeculativeLoop):  # they run a DecodeState
+        rows = state.batch  # assisted rounds: a plain step's rows (verify forwards are wider)
     elif type(loop) is BeamLoop:
         rows = state.batch * int(cfg.num_beams)
     decoded = for_decoding(getattr(state, "model", None), params, rows=rows)

@@ -123,7 +123,7 @@ def test_one_row_programs_fuse_the_projections_and_keep_the_tokens(monkeypatch):
 
 
 def test_programs_fuse_when_every_forward_runs_at_most_four_rows(monkeypatch):
-    """Plain decoding: the batch; beam search: batch x beams; assisted rounds: never."""
+    """Plain and assisted decoding: the batch (a plain step); beam search: batch x beams."""
     import jaxgen
     from jaxgen.beam import BeamLoop
     from jaxgen.compiled import _decoding_inputs
@@ -145,7 +145,8 @@ def test_programs_fuse_when_every_forward_runs_at_most_four_rows(monkeypatch):
     assert fused(DecodeLoop(), top) and not fused(DecodeLoop(), top + 1)
     assert fused(BeamLoop(), 1, num_beams=top) and not fused(BeamLoop(), 1, num_beams=top + 1)
     assert not fused(BeamLoop(), 2, num_beams=top // 2 + 1)
-    assert not fused(SpeculativeLoop(prompt_lookup.PromptLookupDrafter(2, 2)), 1)
+    lookup = SpeculativeLoop(prompt_lookup.PromptLookupDrafter(2, 2))
+    assert fused(lookup, 1) and not fused(lookup, top + 1)
 
 
 def test_fused_projections_give_the_separate_ones_outputs_with_biases_and_qk_norm():
