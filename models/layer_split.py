@@ -7,8 +7,8 @@ more than it multiplies with it. `split_layers`, traced at the top of a jitted c
 its decode loop, slices the stack once per call into per-layer buffers (the same layout as
 `unstack_layers`, a tied head included: its own [D, V] copy, read by forwards of 1-2 rows;
 for programs of 1 to ROWWISE_MAX_ROWS rows the matrices that share an input concatenated, see
-`fuse_projections`), so the forward unrolls
-over layers and every step's matmuls read the weights in place. The optimization barrier keeps
+`fuse_projections`), so the forward unrolls over layers and every step's matmuls read the
+weights in place. The optimization barrier keeps
 XLA from sinking the slices back into the loop body. Cost: one copy of the weights per call
 and that much extra memory while the call runs; compile time is above the unrolled
 forward's (every slice is a kernel of its own).
@@ -61,9 +61,9 @@ def split_layers(params, fuse: bool = False, rowwise: bool = False):
     dicts and, for tied embeddings, `lm_head` = embed.T [D, V] (sliced and transposed once,
     behind an optimization barrier): `unstack_layers`' layout. fuse: each layer's
     projections concatenated as well (`fuse_projections`; for programs whose forwards run
-    1 to ROWWISE_MAX_ROWS rows). rowwise: each layer matrix wrapped in `models/rowwise.RowwiseMatrix`, so
-    forwards of 2 to ROWWISE_MAX_ROWS rows run a matrix-vector product per row (CPU). Other
-    params unchanged."""
+    1 to ROWWISE_MAX_ROWS rows). rowwise: each layer matrix wrapped in
+    `models/rowwise.RowwiseMatrix`, so forwards of 2 to ROWWISE_MAX_ROWS rows run a
+    matrix-vector product per row (CPU). Other params unchanged."""
     if not is_stacked(params):
         return params
     layers = params["layers"]

@@ -158,13 +158,13 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     instead of the whole layer at once (XLA:CPU does not widen inside the matmul).
     """
     batch, seq, num_heads, head_dim = q.shape
+    if len(blocks) == 1 and _skips_chunks(blocks[0], seq):
+        return _attend_query_blocks(q, q_positions, blocks[0], scale, window)
     num_kv_heads = blocks[0].num_kv_heads
     group = num_heads // num_kv_heads
     q_grouped = q.reshape(batch, seq, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, Dh]
     q_rows = jnp.transpose(q_grouped, (0, 2, 3, 1, 4)).reshape(
         batch, num_kv_heads, group * seq, head_dim)  # [B, Hkv, G*S, Dh]
-    if len(blocks) == 1 and _skips_chunks(blocks[0], seq):
-        return _attend_query_blocks(q, q_positions, blocks[0], scale, window)
     if any(_is_chunked(block) for block in blocks):
         out = _attend_partials(q_rows, q_positions, blocks, scale, window, group)
     else:
@@ -187,7 +187,8 @@ def _skips_chunks(block: KeyBlock, seq: int) -> bool:
     products, and scores that stay in cache: SmolLM2's 1,024-token prefill attention ran
     3.7x faster per layer than one softmax over every key)."""
     return (block.ordered and block.k_scale is None and block.valid is None
-            and block.min_age == 0 and block.max_age is None and seq >= CAUSAL_MIN_QUERIES)
+            and block.rotation is None and block.min_age == 0 and block.max_age is None
+            and seq >= CAUSAL_MIN_QUERIES)
 
 
 def _attend_query_blocks(q, q_positions, block: KeyBlock, scale: float, window) -> jax.Array:
