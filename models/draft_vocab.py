@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .llama import Llama, ModelOutput, rms_norm
+from .kernel_matrix import KernelMatrix
 from .quantize import dense
 
 
@@ -55,6 +56,8 @@ def restricted_logits(model: Llama, params: dict, hidden: jax.Array, vocab) -> j
         rows = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.asarray(vocab), axis=-1),
                                       params["lm_head"])  # [D, V_d]
         return (normed @ rows).astype(jnp.float32)  # [..., V_d]
+    elif isinstance(params.get("lm_head"), KernelMatrix):  # for_decoding's head, [V, D]
+        rows = jnp.take(params["lm_head"].weight_nk, jnp.asarray(vocab), axis=0).T  # [D, V_d]
     elif "lm_head" in params:
         rows = jnp.take(params["lm_head"], jnp.asarray(vocab), axis=1)  # [D, V_d]
     else:

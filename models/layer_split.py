@@ -44,6 +44,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxgen.kernels import few_rows
+from jaxgen.models.kernel_matrix import KernelMatrix, kernel_layers
 from jaxgen.models.rowwise import ROWWISE_MAX_ROWS, rowwise_layer
 
 LAYOUT_VARIABLE = "JAXGEN_LAYER_LAYOUT"
@@ -56,18 +58,24 @@ def is_stacked(params) -> bool:
     return isinstance(params, Mapping) and isinstance(params.get("layers"), Mapping)
 
 
-def split_layers(params, fuse: bool = False, rowwise: bool = False):
+def split_layers(params, fuse: bool = False, rowwise: bool = False, kernel: bool = False):
     """params with stacked `layers` -> the same params with `layers` a list of per-layer
     dicts and, for tied embeddings, `lm_head` = embed.T [D, V] (sliced and transposed once,
     behind an optimization barrier): `unstack_layers`' layout. fuse: each layer's
     projections concatenated as well (`fuse_projections`; for programs whose forwards run
     1 to ROWWISE_MAX_ROWS rows). rowwise: each layer matrix wrapped in
     `models/rowwise.RowwiseMatrix`, so forwards of 2 to ROWWISE_MAX_ROWS rows run a
-    matrix-vector product per row (CPU). Other params unchanged."""
+    matrix-vector product per row (CPU). kernel: each float32 layer matrix and the head
+    wrapped in `models/kernel_matrix.KernelMatrix` instead (forwards of up to KERNEL_MAX_ROWS
+    rows run the native few-row kernel; a tied head is the embedding [V, D] itself, no copy).
+    Other params unchanged."""
     if not is_stacked(params):
         return params
     layers = params["layers"]
     count = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    if kernel:  # the stacks fused and transposed whole, read in place per layer
+        per_layer = kernel_layers(fuse_projections(layers) if fuse else layers)
+        return dict(params, layers=per_layer, lm_head=_kernel_head(params))
     per_layer = [jax.tree_util.tree_map(lambda a, i=i: a[i], layers)  # each leaf [...]
                  for i in range(count)]
     if fuse:
@@ -77,6 +85,17 @@ def split_layers(params, fuse: bool = False, rowwise: bool = False):
     extra = {} if "lm_head" in params else {"lm_head": params["embed"].T}  # [D, V]
     per_layer, extra = jax.lax.optimization_barrier((per_layer, extra))
     return dict(params, layers=per_layer, **extra)
+
+
+def _kernel_head(params):
+    """The head as a KernelMatrix: a tied one reads the embedding [V, D] as it is; an untied
+    float32 lm_head [D, V] is transposed; a quantized or other-dtype head stays as it is."""
+    head = params.get("lm_head")
+    if head is None:
+        return KernelMatrix(params["embed"])  # [V, D]
+    if isinstance(head, jax.Array) and head.dtype == jnp.float32:
+        return KernelMatrix.of(head)  # [V, D]
+    return head
 
 
 def fuse_projections(layer: dict) -> dict:
@@ -103,7 +122,7 @@ def fuse_projections(layer: dict) -> dict:
         if all(isinstance(m, jax.Array) for m in matrices):
             for part in parts:
                 del fused[part]
-            fused[name] = jnp.concatenate(matrices, axis=1)  # [D, sum of outputs]
+            fused[name] = jnp.concatenate(matrices, axis=-1)  # [..., D, sum of outputs]
     return fused
 
 
@@ -144,9 +163,11 @@ def _layer_bytes(params) -> int:
 
 
 def for_decoding(model, params, rows: int | None = None):
-    """The params a compiled generate call runs: `split_layers(params, fuse=rows <=
-    ROWWISE_MAX_ROWS, rowwise=on CPU)` (rows: how many rows each decode forward of the
-    program runs, None when that varies or is unknown) for jaxgen's Llama with
+    """The params a compiled generate call runs (rows: how many rows each decode forward of
+    the program runs, None when that varies or is unknown): on one CPU device with float32
+    weights and the native kernel available (jaxgen/kernels), unless rows is 1,
+    `split_layers(params, fuse=True, kernel=True)`; else `split_layers(params, fuse=rows <=
+    ROWWISE_MAX_ROWS, rowwise=on CPU)`; both for jaxgen's Llama with
     stacked layers when the layout setting is "split", or "auto" on a single CPU device with at
     least SPLIT_MIN_BYTES of layer weights; params unchanged otherwise (other models, per-layer
     params; under "auto" small models, accelerators and meshes).
@@ -172,5 +193,15 @@ def for_decoding(model, params, rows: int | None = None):
                               or _layer_bytes(params) < SPLIT_MIN_BYTES):
         return params  # accelerators, CPU meshes (a test device's emulation), small models
     rowwise = jax.default_backend() == "cpu"
+    if (rowwise and rows != 1 and jax.device_count() == 1 and _all_float32(params)
+            and few_rows.available()):  # 1 row: XLA's matrix-vector products are as fast
+        return split_layers(params, fuse=True, kernel=True)
     fuse = rows is not None and (rows == 1 or (rowwise and rows <= ROWWISE_MAX_ROWS))
     return split_layers(params, fuse=fuse, rowwise=rowwise)
+
+
+def _all_float32(params) -> bool:
+    """True when every layer matrix and the embedding are float32 (the kernel's dtype)."""
+    leaves = jax.tree_util.tree_leaves(params["layers"]) + [params["embed"]]
+    return all(not isinstance(leaf, jax.Array) or leaf.ndim < 2 or leaf.dtype == jnp.float32
+               for leaf in leaves)

@@ -46,6 +46,7 @@ from jaxgen.cache.layer_split import is_split
 
 from .exit_adapter import apply_exit_adapter, exit_adapter_shapes
 from .gguf_blocks import BlockMatrix
+from .kernel_matrix import KernelMatrix
 from .quantize import Int8Matrix
 from .mtp import MtpLayers
 from .mtp_layout import mtp_shapes
@@ -474,7 +475,7 @@ class Llama:
                 isinstance(copy, jax.Array) and rows >= HEAD_BY_VOCAB_MIN_ROWS)):
             return jnp.einsum("bsd,vd->bsv", normed, params["embed"],
                               preferred_element_type=jnp.float32)  # [B, S, V]
-        if isinstance(params["lm_head"], (Int8Matrix, BlockMatrix)):  # load(weights=...)
+        if isinstance(params["lm_head"], (Int8Matrix, BlockMatrix, KernelMatrix)):
             return (normed @ params["lm_head"]).astype(jnp.float32)  # [B, S, V]
         return jnp.einsum("bsd,dv->bsv", normed, params["lm_head"],
                           preferred_element_type=jnp.float32)  # [B, S, V]

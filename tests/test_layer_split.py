@@ -68,9 +68,10 @@ def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 
     calls = []
     real = layer_split.split_layers
     monkeypatch.setattr(layer_split, "split_layers",
-                        lambda p, fuse=False, rowwise=False: calls.append(fuse)
-                        or real(p, fuse, rowwise))
+                        lambda p, fuse=False, rowwise=False, kernel=False: calls.append(fuse)
+                        or real(p, fuse, rowwise, kernel))
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
+    monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # XLA's layouts; the kernel: test_few_rows_kernel.py
     model, params = tiny_llama(num_layers=3, intermediate_size=40)
     cfg = jaxgen.GenerationConfig(max_new_tokens=max_new_tokens, **settings)
     out = jaxgen.generate(params, jaxgen.init_state(model, [list(p) for p in prompts], cfg), cfg)
@@ -134,6 +135,7 @@ def test_programs_fuse_when_every_forward_runs_at_most_four_rows(monkeypatch):
     from jaxgen.speculative.loop import SpeculativeLoop
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # with the kernel every program fuses
     model, params = tiny_llama()
 
     def fused(loop, batch, **settings) -> bool:

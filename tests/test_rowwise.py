@@ -43,13 +43,14 @@ def _beam_run(monkeypatch, layout, new_tokens):
     seen = []
     real = layer_split.split_layers
 
-    def recording(params, fuse=False, rowwise=False):
+    def recording(params, fuse=False, rowwise=False, kernel=False):
         seen.append(rowwise)
-        return real(params, fuse, rowwise)
+        return real(params, fuse, rowwise, kernel)
 
     monkeypatch.setattr(layer_split, "split_layers", recording)
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
+    monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # XLA's products (the kernel's own tests: test_few_rows_kernel.py)
     model, params = tiny_llama(num_layers=2, intermediate_size=40)
     cfg = jaxgen.GenerationConfig(num_beams=4, num_return_sequences=2,
                                   max_new_tokens=new_tokens, pad_token_id=0)

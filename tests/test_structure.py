@@ -29,7 +29,7 @@ FLOORS = {
         "jaxgen.stopping_criteria", "jaxgen.watermark", "jaxgen.watermark_rng",
         "jaxgen.watermark_detect", "jaxgen.watermark_synthid", "jaxgen.watermark_synthid_detect",
         "jaxgen.constraint_automaton",
-        "jaxgen.guidance_inputs"),
+        "jaxgen.guidance_inputs", "jaxgen.kernels"),
     0: ("jaxgen.models",),
 }
 

@@ -1,0 +1,148 @@
+// y[M, N] = x[M, K] @ w[N, K]^T in float32 for a few rows M, reading w once from memory.
+//
+// XLA:CPU's matrix-matrix kernels pack the weight before they multiply, which for a handful of
+// rows costs more than the arithmetic; this kernel streams each weight row (K contiguous
+// floats, the [N, K] layout) once per group of up to 4 input rows, with every later group
+// reading it again from the L1/L2 cache, so M rows cost little more than one.
+//
+// Work is split into blocks of BLOCK_ROWS weight rows that the calling thread and tasks on
+// XLA's intra-op thread pool claim from one atomic counter; the caller waits only for blocks
+// another thread has claimed, so a busy or missing pool slows the call but never blocks it.
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));  // 8 floats; AVX where the CPU has it
+
+constexpr int BLOCK_ROWS = 64;     // weight rows a claimed block covers
+constexpr int PREFETCH_TILES = 2;  // how many tiles ahead the weight rows are prefetched
+
+inline float sum_lanes(v8 v) {
+  float total = 0.0f;
+  for (int lane = 0; lane < 8; ++lane) total += v[lane];
+  return total;
+}
+
+// ROWS input rows x COLS weight rows: ROWS * COLS dot products of length k.
+template <int ROWS, int COLS>
+inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
+                 const float* w_end) {
+  v8 acc[ROWS][COLS];
+  _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) acc[r][c] = v8{};
+  const int64_t k8 = k - k % 8;
+  for (int64_t i = 0; i < k8; i += 8) {
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+      const float* ahead = w + (c + PREFETCH_TILES * COLS) * k + i;
+      if (ahead < w_end) __builtin_prefetch(ahead, 0, 0);
+    }
+    v8 xv[ROWS];
+    _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+      std::memcpy(&xv[r], x + r * k + i, sizeof(v8));
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+      v8 wv;
+      std::memcpy(&wv, w + c * k + i, sizeof(v8));
+      _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) acc[r][c] += xv[r] * wv;
+    }
+  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+      float total = sum_lanes(acc[r][c]);
+      for (int64_t i = k8; i < k; ++i) total += x[r * k + i] * w[c * k + i];
+      y[r * n + c] = total;
+    }
+}
+
+// Input rows [0, ROWS) against weight rows [begin, end).
+template <int ROWS>
+void weight_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
+                 int64_t begin, int64_t end, const float* w_end) {
+  constexpr int COLS = ROWS <= 2 ? 4 : 2;  // accumulators + operands within 16 registers
+  int64_t col = begin;
+  for (; col + COLS <= end; col += COLS) tile<ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
+  for (; col < end; ++col) tile<ROWS, 1>(x, k, w + col * k, y + col, n, w_end);
+}
+
+void block(const float* x, int64_t m, int64_t k, const float* w, float* y, int64_t n,
+           int64_t begin, int64_t end) {
+  const float* w_end = w + n * k;
+  int64_t row = 0;
+  for (; row + 4 <= m; row += 4) weight_rows<4>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
+  switch (m - row) {
+    case 3: weight_rows<3>(x + row * k, k, w, y + row * n, n, begin, end, w_end); break;
+    case 2: weight_rows<2>(x + row * k, k, w, y + row * n, n, begin, end, w_end); break;
+    case 1: weight_rows<1>(x + row * k, k, w, y + row * n, n, begin, end, w_end); break;
+    default: break;
+  }
+}
+
+struct Shared {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t m, k, n, blocks;
+  std::atomic<int64_t> next{0};     // the next unclaimed block
+  std::atomic<int64_t> finished{0}; // blocks done
+};
+
+// Claims and runs blocks until none is left.
+void drain(Shared& s) {
+  for (int64_t b = s.next.fetch_add(1); b < s.blocks; b = s.next.fetch_add(1)) {
+    int64_t begin = b * BLOCK_ROWS, end = std::min(begin + BLOCK_ROWS, s.n);
+    block(s.x, s.m, s.k, s.w, s.y, s.n, begin, end);
+    s.finished.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// w: one weight [N, K], or a stack [L, N, K] of which `layer` is read.
+ffi::Error FewRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y, int64_t layer) {
+  auto x_dims = x.dimensions();
+  auto w_dims = w.dimensions();
+  const size_t rank = w_dims.size();
+  if ((rank != 2 && rank != 3) || x_dims.size() < 1 || x_dims.back() != w_dims[rank - 1])
+    return ffi::Error::InvalidArgument("few_rows: x [..., K] and w [N, K] or [L, N, K] expected");
+  const int64_t layers = rank == 3 ? w_dims[0] : 1;
+  if (layer < 0 || layer >= layers)
+    return ffi::Error::InvalidArgument("few_rows: layer outside the weight stack");
+  auto shared = std::make_shared<Shared>();
+  shared->k = w_dims[rank - 1];
+  shared->n = w_dims[rank - 2];
+  shared->x = x.typed_data();
+  shared->w = w.typed_data() + layer * shared->n * shared->k;
+  shared->y = y->typed_data();
+  shared->m = shared->k ? static_cast<int64_t>(x.element_count()) / shared->k : 0;
+  shared->blocks = (shared->n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  if (shared->m == 0 || shared->n == 0) return ffi::Error::Success();
+  if (shared->k == 0) {
+    std::fill(shared->y, shared->y + shared->m * shared->n, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->blocks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { drain(*shared); });
+  drain(*shared);
+  // Every block is claimed; wait for the ones other threads are still running.
+  while (shared->finished.load(std::memory_order_acquire) < shared->blocks)
+    std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenFewRows, FewRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer"));
