@@ -10,8 +10,10 @@ program by what determines it, computed without tracing:
   * every dynamic argument's tree structure (with its static aux data: the config's static
     fields, the model's config), shapes, dtypes, weak types and shardings,
   * jax and jaxlib versions, the backend and its devices, every jax config value (but
-    cache and logging settings) and $XLA_FLAGS / $LIBTPU_INIT_ARGS / $JAXGEN_LAYER_LAYOUT,
-  * a hash of jaxgen's own source files (the program is the code's output).
+    cache and logging settings) and $XLA_FLAGS / $LIBTPU_INIT_ARGS / $JAXGEN_LAYER_LAYOUT /
+    $JAXGEN_CPU_KERNELS,
+  * a hash of jaxgen's own source files, the native kernel's included (the program is the
+    code's output); a stored program registers the kernel before it is loaded.
 
 The static parts are pickled to be hashed. A call whose static parts reference code outside
 jaxgen, jax, numpy and the standard library (a user's processor, a tokenizer) could change
@@ -63,7 +65,8 @@ SUFFIX = ".exe"
 TRUSTED_MODULES = ("jaxgen", "jax", "jaxlib", "numpy", "ml_dtypes", "builtins", "copyreg",
                    "collections", "functools", "operator", "enum", "_codecs", "types",
                    "dataclasses")
-ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXGEN_LAYER_LAYOUT")
+ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXGEN_LAYER_LAYOUT",
+                         "JAXGEN_CPU_KERNELS")
 
 _STORE: "ExecutableStore | None" = None
 _SOURCE_HASH: list[str] = []
@@ -138,7 +141,7 @@ def source_hash() -> str:
         digest = hashlib.sha256()
         for package in (jaxgen, jaxgen.models):
             root = pathlib.Path(package.__file__).parent
-            for path in sorted(root.rglob("*.py")):
+            for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
                 digest.update(str(path.relative_to(root)).encode() + b"\0")
                 digest.update(path.read_bytes() + b"\0")
         _SOURCE_HASH.append(digest.hexdigest())
@@ -229,6 +232,9 @@ class ExecutableStore:
                 raise ValueError("the entry holds another key")
             from jax.experimental.serialize_executable import deserialize_and_load
 
+            from jaxgen.kernels.build import ffi_target
+
+            ffi_target()  # a stored program may call the native kernel: register it first
             program = deserialize_and_load(entry["executable"], entry["in_tree"],
                                            entry["out_tree"])
         except Exception as error:  # damaged or from another build: a miss, rewritten

@@ -110,3 +110,14 @@ def test_old_entries_are_pruned(tmp_path, monkeypatch):
     for offset in range(count + 2):
         store.call("add", add, (jnp.arange(3),), offset)
     assert len(os.listdir(tmp_path)) == count
+
+
+def test_a_fresh_process_runs_stored_programs_that_call_the_native_kernel(tmp_path):
+    # split layers on a tiny model: the batch-2 programs call jaxgen_few_rows, whose FFI target
+    # a fresh process has not registered until the store loads an entry
+    folder = str(tmp_path / "executables")
+    first = json.loads(_script(folder, JAXGEN_LAYER_LAYOUT="split"))["first"]
+    again = json.loads(_script(folder, JAXGEN_LAYER_LAYOUT="split"))["first"]
+    assert first["stats"]["written"] == 3
+    assert again["stats"]["hits"] == 3 and again["compiles"] == 0
+    assert again["tokens"] == first["tokens"]
