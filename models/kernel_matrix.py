@@ -62,21 +62,10 @@ class KernelMatrix:
         return jnp.einsum("...k,nk->...n", x, weight)  # [..., N]
 
 
-def kernel_layers(layers: dict) -> list[dict]:
-    """Stacked layer weights (each leaf [L, ...]) -> one dict per layer in which every float32
-    matrix is a KernelMatrix over its stack transposed once ([L, N, K], a single copy for all
-    layers; the kernel reads layer l in place), other leaves (norms, biases, quantized
-    matrices, other dtypes) sliced per layer.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> per_layer = kernel_layers({"wq": jnp.ones((2, 4, 8)), "attn_norm": jnp.ones((2, 4))})
-        >>> m = per_layer[1]["wq"]
-        >>> len(per_layer), type(m).__name__, m.layer, m.shape, m.weight_nk.shape
-        (2, 'KernelMatrix', 1, (4, 8), (2, 8, 4))
-        >>> per_layer[1]["attn_norm"].shape
-        (4,)
-    """
+def kernel_stacks(layers: dict) -> tuple[dict, list[dict]]:
+    """Stacked layer weights (each leaf [L, ...]) -> (every float32 matrix stack transposed
+    once, {name: [L, N, K]}; the other leaves (norms, biases, quantized matrices, other dtypes)
+    sliced per layer). Arrays only, each once: what a compiled call may return."""
     def is_float32_stack(value) -> bool:
         return isinstance(value, jax.Array) and value.ndim == 3 and value.dtype == jnp.float32
 
@@ -86,11 +75,25 @@ def kernel_layers(layers: dict) -> list[dict]:
     others = [{name: jax.tree_util.tree_map(lambda a, i=i: a[i], value)
                for name, value in layers.items() if name not in transposed}
               for i in range(count)]
-    # Computed once before a decode loop (XLA would otherwise move them into it); each stack
-    # enters the barrier once, so it is one buffer that every layer's KernelMatrix reads.
-    transposed, others = jax.lax.optimization_barrier((transposed, others))
+    return transposed, others
+
+
+def kernel_layers(transposed: dict, others: list[dict]) -> list[dict]:
+    """`kernel_stacks`' pieces -> one dict per layer in which every transposed matrix is a
+    KernelMatrix over its stack (one buffer that every layer reads in place).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> stacks = kernel_stacks({"wq": jnp.ones((2, 4, 8)), "attn_norm": jnp.ones((2, 4))})
+        >>> per_layer = kernel_layers(*stacks)
+        >>> m = per_layer[1]["wq"]
+        >>> len(per_layer), type(m).__name__, m.layer, m.shape, m.weight_nk.shape
+        (2, 'KernelMatrix', 1, (4, 8), (2, 8, 4))
+        >>> per_layer[1]["attn_norm"].shape
+        (4,)
+    """
     return [dict(rest, **{name: KernelMatrix(stack, layer=i) for name, stack in transposed.items()})
             for i, rest in enumerate(others)]
 
 
-__all__ = ["KERNEL_MAX_ROWS", "KernelMatrix", "kernel_layers"]
+__all__ = ["KERNEL_MAX_ROWS", "KernelMatrix", "kernel_layers", "kernel_stacks"]

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.kernels import few_rows
-from jaxgen.models.kernel_matrix import KernelMatrix, kernel_layers
+from jaxgen.models.kernel_matrix import KernelMatrix, kernel_layers, kernel_stacks
 from jaxgen.models.rowwise import ROWWISE_MAX_ROWS, rowwise_layer
 
 LAYOUT_VARIABLE = "JAXGEN_LAYER_LAYOUT"
@@ -68,34 +68,47 @@ def split_layers(params, fuse: bool = False, rowwise: bool = False, kernel: bool
     matrix-vector product per row (CPU). kernel: each float32 layer matrix and the head
     wrapped in `models/kernel_matrix.KernelMatrix` instead (forwards of up to KERNEL_MAX_ROWS
     rows run the native few-row kernel; a tied head is the embedding [V, D] itself, no copy).
-    Other params unchanged."""
+    Other params unchanged. It is `split_pieces`, the barrier, then `with_split_pieces`."""
     if not is_stacked(params):
         return params
+    pieces = split_pieces(params, fuse=fuse, rowwise=rowwise, kernel=kernel)
+    return with_split_pieces(params, jax.lax.optimization_barrier(pieces), kernel=kernel)
+
+
+def split_pieces(params, fuse: bool = False, rowwise: bool = False, kernel: bool = False):
+    """The arrays `split_layers` computes from stacked params, each once (so a compiled call
+    can return them without copies): {"layers": per-layer dicts, or with kernel
+    `kernel_stacks`' (transposed stacks, other leaves per layer), "lm_head": the head's new
+    layout, or None where the params' own is kept}."""
     layers = params["layers"]
-    count = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    head = params.get("lm_head")
     if kernel:  # the stacks fused and transposed whole, read in place per layer
-        per_layer = kernel_layers(fuse_projections(layers) if fuse else layers)
-        return dict(params, layers=per_layer, lm_head=_kernel_head(params))
+        stacks = kernel_stacks(fuse_projections(layers) if fuse else layers)
+        float_head = isinstance(head, jax.Array) and head.dtype == jnp.float32
+        return {"layers": stacks, "lm_head": head.T if float_head else None}  # [V, D]
+    count = jax.tree_util.tree_leaves(layers)[0].shape[0]
     per_layer = [jax.tree_util.tree_map(lambda a, i=i: a[i], layers)  # each leaf [...]
                  for i in range(count)]
     if fuse:
         per_layer = [fuse_projections(layer) for layer in per_layer]
     if rowwise:
         per_layer = [rowwise_layer(layer) for layer in per_layer]
-    extra = {} if "lm_head" in params else {"lm_head": params["embed"].T}  # [D, V]
-    per_layer, extra = jax.lax.optimization_barrier((per_layer, extra))
-    return dict(params, layers=per_layer, **extra)
+    return {"layers": per_layer, "lm_head": None if head is not None else params["embed"].T}
 
 
-def _kernel_head(params):
-    """The head as a KernelMatrix: a tied one reads the embedding [V, D] as it is; an untied
-    float32 lm_head [D, V] is transposed; a quantized or other-dtype head stays as it is."""
-    head = params.get("lm_head")
-    if head is None:
-        return KernelMatrix(params["embed"])  # [V, D]
-    if isinstance(head, jax.Array) and head.dtype == jnp.float32:
-        return KernelMatrix.of(head)  # [V, D]
-    return head
+def with_split_pieces(params, pieces, kernel: bool = False):
+    """params laid out as `split_pieces` computed them (no array work: host or traced)."""
+    head = pieces["lm_head"]
+    if kernel:
+        if head is not None:  # an untied float32 head, transposed
+            head = KernelMatrix(head)  # [V, D]
+        elif params.get("lm_head") is None:  # tied: the embedding itself
+            head = KernelMatrix(params["embed"])  # [V, D]
+        else:  # quantized or another dtype: as it is
+            head = params["lm_head"]
+        return dict(params, layers=kernel_layers(*pieces["layers"]), lm_head=head)
+    return dict(params, layers=pieces["layers"],
+                **({} if head is None else {"lm_head": head}))  # [D, V]
 
 
 def fuse_projections(layer: dict) -> dict:
@@ -184,20 +197,26 @@ def for_decoding(model, params, rows: int | None = None):
         >>> for_decoding(None, params) is params       # not a jaxgen Llama: left as it is
         True
     """
+    plan = decoding_plan(model, params, rows)
+    return params if plan is None else split_layers(params, **plan)
+
+
+def decoding_plan(model, params, rows: int | None = None) -> dict | None:
+    """`for_decoding`'s decision: None (params as they are) or `split_layers`' keywords."""
     from jaxgen.models.llama import Llama
 
     setting = layout_setting()
     if setting == "stacked" or not isinstance(model, Llama) or not is_stacked(params):
-        return params
+        return None
     if setting == "auto" and (jax.default_backend() != "cpu" or jax.device_count() > 1
                               or _layer_bytes(params) < SPLIT_MIN_BYTES):
-        return params  # accelerators, CPU meshes (a test device's emulation), small models
+        return None  # accelerators, CPU meshes (a test device's emulation), small models
     rowwise = jax.default_backend() == "cpu"
     if (rowwise and rows != 1 and jax.device_count() == 1 and _all_float32(params)
-            and few_rows.available()):  # 1 row: XLA's matrix-vector products are as fast
-        return split_layers(params, fuse=True, kernel=True)
+            and few_rows.available()):  # 1 row: XLA's matrix-vector products measured faster
+        return dict(fuse=True, rowwise=False, kernel=True)
     fuse = rows is not None and (rows == 1 or (rowwise and rows <= ROWWISE_MAX_ROWS))
-    return split_layers(params, fuse=fuse, rowwise=rowwise)
+    return dict(fuse=fuse, rowwise=rowwise, kernel=False)
 
 
 def _all_float32(params) -> bool:

@@ -6,7 +6,7 @@ import pytest
 
 from jaxgen.kernels import build
 from jaxgen.kernels.few_rows import available, few_rows_product
-from jaxgen.models.kernel_matrix import KERNEL_MAX_ROWS, KernelMatrix, kernel_layers
+from jaxgen.models.kernel_matrix import KERNEL_MAX_ROWS, KernelMatrix, kernel_layers, kernel_stacks
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -53,7 +53,7 @@ def test_kernel_under_vmap_with_a_shared_and_a_mapped_weight():
 
 def test_kernel_matrix_falls_back_past_the_row_bound_and_stands_for_its_k_by_n_weight():
     weight = _random((3, 12, 20), 7)  # [L, K, N]
-    per_layer = kernel_layers({"wq": weight, "attn_norm": _random((3, 12), 8)})
+    per_layer = kernel_layers(*kernel_stacks({"wq": weight, "attn_norm": _random((3, 12), 8)}))
     matrix = per_layer[2]["wq"]
     assert isinstance(matrix, KernelMatrix) and matrix.shape == (12, 20) and matrix.layer == 2
     for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1):

@@ -61,15 +61,20 @@ def test_split_is_the_unstacked_layout():
 def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 1, 4), (1, 5)),
                               **settings):
     """generate() on a tiny Llama with $JAXGEN_LAYER_LAYOUT=layout: (output, the `fuse` flag
-    of each split call)."""
+    of each layout planned)."""
     import jaxgen
     from jaxgen.models import layer_split
 
     calls = []
-    real = layer_split.split_layers
-    monkeypatch.setattr(layer_split, "split_layers",
-                        lambda p, fuse=False, rowwise=False, kernel=False: calls.append(fuse)
-                        or real(p, fuse, rowwise, kernel))
+    real = layer_split.decoding_plan
+
+    def recording(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        if plan is not None:  # params to lay out (laid-out params pass as they are)
+            calls.append(plan["fuse"])
+        return plan
+
+    monkeypatch.setattr(layer_split, "decoding_plan", recording)
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # XLA's layouts; the kernel: test_few_rows_kernel.py
     model, params = tiny_llama(num_layers=3, intermediate_size=40)

@@ -41,13 +41,15 @@ def _beam_run(monkeypatch, layout, new_tokens):
     from jaxgen.models import layer_split, tiny_llama
 
     seen = []
-    real = layer_split.split_layers
+    real = layer_split.decoding_plan
 
-    def recording(params, fuse=False, rowwise=False, kernel=False):
-        seen.append(rowwise)
-        return real(params, fuse, rowwise, kernel)
+    def recording(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        if plan is not None:  # params to lay out (laid-out params pass as they are)
+            seen.append(plan["rowwise"])
+        return plan
 
-    monkeypatch.setattr(layer_split, "split_layers", recording)
+    monkeypatch.setattr(layer_split, "decoding_plan", recording)
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # XLA's products (the kernel's own tests: test_few_rows_kernel.py)
