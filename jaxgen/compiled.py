@@ -113,7 +113,7 @@ def _laid_out(params, state, loop, cfg):
                 ref() is leaf for ref, leaf in zip(_LAID_OUT[0][1], leaves)):
             return _LAID_OUT[0][2]
         _LAID_OUT.clear()  # the old copy goes before the new one is made
-        pieces = _split_pieces_jit(params, **plan)
+        pieces = _split_pieces_cached(params, **plan)
         laid_out = with_split_pieces(params, pieces, kernel=plan["kernel"])
         _LAID_OUT.append((key, [weakref.ref(leaf) for leaf in leaves], laid_out))
     # a stacked layer array: the laid-out copy holds the caller's other arrays (the embedding),
@@ -128,13 +128,21 @@ def _forget(key) -> None:
             _LAID_OUT.clear()
 
 
-def _split_pieces(params, fuse, rowwise, kernel):
+def _split_pieces(params, *, loop):
+    """`split_pieces` with its plan passed as `loop` (sorted keyword pairs), the static
+    argument name the executable cache keys on."""
     from jaxgen.models.layer_split import split_pieces
 
-    return split_pieces(params, fuse=fuse, rowwise=rowwise, kernel=kernel)
+    return split_pieces(params, **dict(loop))
 
 
-_split_pieces_jit = jax.jit(_split_pieces, static_argnames=("fuse", "rowwise", "kernel"))
+_split_pieces_jit = jax.jit(_split_pieces, static_argnames=("loop",))
+
+
+def _split_pieces_cached(params, **plan):
+    """The layout program through the executable cache (a warm CLI process compiles nothing)."""
+    return executable_cache.call("split_pieces", _split_pieces_jit, (params,),
+                                 tuple(sorted(plan.items())))
 
 
 def _stacked_cache(state):

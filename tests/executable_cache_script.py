@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 import jaxgen
-from jaxgen import executable_cache
+from jaxgen import compiled, executable_cache
 from jaxgen.models import Llama, LlamaConfig, tiny_llama
 from jaxgen.models.tiny import TINY_SHAPES
 from jaxgen.streaming import BaseStreamer
@@ -63,6 +63,7 @@ DAMAGES = (flip_a_byte, cut, another_entrys_contents)
 def one_round(folder: str, model, params) -> dict:
     executable_cache.disable()
     jax.clear_caches()
+    compiled._LAID_OUT.clear()  # a new process keeps no laid-out weights either
     prompts = [[1, 5, 9, 2], [3, 4]]
     cfg = jaxgen.GenerationConfig(max_new_tokens=10)
     states = [jaxgen.init_state(model, prompts, cfg, jax.random.key(7)) for _ in range(2)]

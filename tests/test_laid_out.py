@@ -23,13 +23,13 @@ class Quiet(BaseStreamer):
 def _setup(monkeypatch):
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)  # as if the tiny model were large
     calls = []
-    real = compiled._split_pieces_jit
+    real = compiled._split_pieces_cached
 
     def counting(params, **plan):
         calls.append(plan)
         return real(params, **plan)
 
-    monkeypatch.setattr(compiled, "_split_pieces_jit", counting)
+    monkeypatch.setattr(compiled, "_split_pieces_cached", counting)
     compiled._LAID_OUT.clear()
     return calls
 
