@@ -69,7 +69,7 @@ def split_layers(params, fuse: bool = False, rowwise: bool = False, kernel: bool
     wrapped in `models/kernel_matrix.KernelMatrix` instead (forwards of up to KERNEL_MAX_ROWS
     rows run the native few-row kernel; a tied head is the embedding [V, D] itself, no copy).
     Other params unchanged. It is `split_pieces`, the barrier, then `with_split_pieces`."""
-    if not is_stacked(params):
+    if not is_stacked(params) and not (kernel and _plain_per_layer(params)):
         return params
     pieces = split_pieces(params, fuse=fuse, rowwise=rowwise, kernel=kernel)
     return with_split_pieces(params, jax.lax.optimization_barrier(pieces), kernel=kernel)
@@ -82,6 +82,8 @@ def split_pieces(params, fuse: bool = False, rowwise: bool = False, kernel: bool
     layout, or None where the params' own is kept}."""
     layers = params["layers"]
     head = params.get("lm_head")
+    if kernel and not is_stacked(params):  # per-layer params (unstack_layers): stacked once
+        layers = jax.tree_util.tree_map(lambda *each: jnp.stack(each), *layers)  # [L, ...]
     if kernel:  # the stacks fused and transposed whole, read in place per layer
         stacks = kernel_stacks(fuse_projections(layers) if fuse else layers)
         float_head = isinstance(head, jax.Array) and head.dtype == jnp.float32
@@ -206,17 +208,41 @@ def decoding_plan(model, params, rows: int | None = None) -> dict | None:
     from jaxgen.models.llama import Llama
 
     setting = layout_setting()
-    if setting == "stacked" or not isinstance(model, Llama) or not is_stacked(params):
+    if setting == "stacked" or not isinstance(model, Llama):
         return None
+    if not is_stacked(params):  # per-layer params: the kernel's layout, or as they are
+        large = setting == "split" or _layer_bytes(params) >= SPLIT_MIN_BYTES
+        return (dict(fuse=True, rowwise=False, kernel=True)
+                if large and _plain_per_layer(params) and _kernel_runs(params, rows) else None)
     if setting == "auto" and (jax.default_backend() != "cpu" or jax.device_count() > 1
                               or _layer_bytes(params) < SPLIT_MIN_BYTES):
         return None  # accelerators, CPU meshes (a test device's emulation), small models
     rowwise = jax.default_backend() == "cpu"
-    if (rowwise and rows != 1 and jax.device_count() == 1 and _all_float32(params)
-            and few_rows.available()):  # 1 row: XLA's matrix-vector products measured faster
+    if _kernel_runs(params, rows):
         return dict(fuse=True, rowwise=False, kernel=True)
     fuse = rows is not None and (rows == 1 or (rowwise and rows <= ROWWISE_MAX_ROWS))
     return dict(fuse=fuse, rowwise=rowwise, kernel=False)
+
+
+def _kernel_runs(params, rows: int | None) -> bool:
+    """The native kernel's layout applies: one CPU device, float32 weights, the kernel built,
+    and not a one-row program (XLA's matrix-vector products measured faster there)."""
+    return (rows != 1 and jax.default_backend() == "cpu" and jax.device_count() == 1
+            and _all_float32(params) and few_rows.available())
+
+
+def _plain_per_layer(params) -> bool:
+    """True for per-layer params of plain arrays (`unstack_layers`' layout, not yet laid out
+    for decoding), with float32 layer matrices of one shape per name."""
+    layers = params.get("layers") if isinstance(params, Mapping) else None
+    return (isinstance(layers, (list, tuple)) and len(layers) > 0
+            and all(isinstance(layer, Mapping) and all(isinstance(v, jax.Array)
+                                                       for v in layer.values())
+                    for layer in layers)
+            and all(jax.tree_util.tree_structure(layer) == jax.tree_util.tree_structure(layers[0])
+                    and all(a.shape == b.shape for a, b in zip(jax.tree_util.tree_leaves(layer),
+                                                              jax.tree_util.tree_leaves(layers[0])))
+                    for layer in layers))
 
 
 def _all_float32(params) -> bool:

@@ -134,3 +134,26 @@ def test_a_failed_build_warns_with_the_reason_and_falls_back(monkeypatch, tmp_pa
     with pytest.warns(RuntimeWarning, match="few-row kernel is not available.*no-such-compiler"):
         assert build._registered_target.__wrapped__() is None
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+
+def test_per_layer_params_run_the_kernel_too(monkeypatch):
+    # unstack_layers' layout (what the benchmarks and the CLI decode) gets the kernel's layout
+    import jaxgen
+    from jaxgen import compiled
+    from jaxgen.decode import DecodeLoop
+    from jaxgen.models import layer_split, tiny_llama, unstack_layers
+
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
+    model, params = tiny_llama(num_layers=2, intermediate_size=40)
+    per_layer = unstack_layers(model, params)
+    cfg = jaxgen.GenerationConfig(max_new_tokens=5, pad_token_id=0)
+    state = jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg)
+    laid_out = compiled._laid_out(per_layer, state, DecodeLoop(), cfg)
+    assert isinstance(laid_out["layers"][1]["wqkv"], KernelMatrix)
+    assert layer_split.decoding_plan(model, laid_out, 2) is None  # laid out: left as it is
+    got = jaxgen.generate(per_layer, state, cfg)
+    monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
+    jax.clear_caches()
+    compiled._LAID_OUT.clear()
+    want = jaxgen.generate(per_layer, jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg), cfg)
+    assert jnp.array_equal(got.sequences, want.sequences)
