@@ -9,9 +9,10 @@ its decode loop, slices the stack once per call into per-layer buffers (the same
 for programs of 1 to ROWWISE_MAX_ROWS rows the matrices that share an input concatenated, see
 `fuse_projections`), so the forward unrolls over layers and every step's matmuls read the
 weights in place. The optimization barrier keeps
-XLA from sinking the slices back into the loop body. Cost: one copy of the weights per call
-and that much extra memory while the call runs; compile time is above the unrolled
-forward's (every slice is a kernel of its own).
+XLA from sinking the slices back into the loop body. Cost: one copy of the weights, and
+that much extra memory; `jaxgen.compiled` makes it once per params with `split_pieces` as a
+program of its own and keeps it between calls (params under a trace are split inside the
+call). Compile time is above the unrolled forward's (every slice is a kernel of its own).
 
 `for_decoding` is what every compiled generate entry (jaxgen.compiled) calls: on the CPU
 backend jaxgen's Llama runs split weights by default, the layout measured fastest there (batch 1
@@ -95,7 +96,7 @@ def split_pieces(params, fuse: bool = False, rowwise: bool = False, kernel: bool
         per_layer = [fuse_projections(layer) for layer in per_layer]
     if rowwise:
         per_layer = [rowwise_layer(layer) for layer in per_layer]
-    return {"layers": per_layer, "lm_head": None if head is not None else params["embed"].T}
+    return {"layers": per_layer, "lm_head": None if "lm_head" in params else params["embed"].T}
 
 
 def with_split_pieces(params, pieces, kernel: bool = False):
@@ -184,8 +185,10 @@ def for_decoding(model, params, rows: int | None = None):
     `split_layers(params, fuse=True, kernel=True)`; else `split_layers(params, fuse=rows <=
     ROWWISE_MAX_ROWS, rowwise=on CPU)`; both for jaxgen's Llama with
     stacked layers when the layout setting is "split", or "auto" on a single CPU device with at
-    least SPLIT_MIN_BYTES of layer weights; params unchanged otherwise (other models, per-layer
-    params; under "auto" small models, accelerators and meshes).
+    least SPLIT_MIN_BYTES of layer weights (per-layer params of that size: the kernel's layout
+    only); params unchanged otherwise (other models, params already laid out; under "auto"
+    small models, accelerators and meshes). jaxgen.compiled lays params out once per params
+    with `decoding_plan` and `split_pieces`; inside a program they then pass unchanged.
 
     Example:
         >>> from jaxgen.models import tiny_llama
@@ -233,7 +236,7 @@ def _kernel_runs(params, rows: int | None) -> bool:
 
 def _plain_per_layer(params) -> bool:
     """True for per-layer params of plain arrays (`unstack_layers`' layout, not yet laid out
-    for decoding), with float32 layer matrices of one shape per name."""
+    for decoding) whose layers hold the same names and shapes (so they stack)."""
     layers = params.get("layers") if isinstance(params, Mapping) else None
     return (isinstance(layers, (list, tuple)) and len(layers) > 0
             and all(isinstance(layer, Mapping) and all(isinstance(v, jax.Array)

@@ -63,24 +63,15 @@ def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 
     """generate() on a tiny Llama with $JAXGEN_LAYER_LAYOUT=layout: (output, the `fuse` flag
     of each layout planned)."""
     import jaxgen
-    from jaxgen.models import layer_split
+    from layout_plans import record_layout_plans
 
-    calls = []
-    real = layer_split.decoding_plan
-
-    def recording(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        if plan is not None:  # params to lay out (laid-out params pass as they are)
-            calls.append(plan["fuse"])
-        return plan
-
-    monkeypatch.setattr(layer_split, "decoding_plan", recording)
+    plans = record_layout_plans(monkeypatch)
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # XLA's layouts; the kernel: test_few_rows_kernel.py
     model, params = tiny_llama(num_layers=3, intermediate_size=40)
     cfg = jaxgen.GenerationConfig(max_new_tokens=max_new_tokens, **settings)
     out = jaxgen.generate(params, jaxgen.init_state(model, [list(p) for p in prompts], cfg), cfg)
-    return out, list(calls)  # a copy: a later call's patch wraps this one
+    return out, [plan["fuse"] for plan in plans]
 
 
 def test_generate_decodes_split_weights_by_default_on_cpu(monkeypatch):

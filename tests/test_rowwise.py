@@ -39,17 +39,9 @@ def test_rowwise_layer_wraps_float_matrices_only_and_passes_through_jit():
 def _beam_run(monkeypatch, layout, new_tokens):
     import jaxgen
     from jaxgen.models import layer_split, tiny_llama
+    from layout_plans import record_layout_plans
 
-    seen = []
-    real = layer_split.decoding_plan
-
-    def recording(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        if plan is not None:  # params to lay out (laid-out params pass as they are)
-            seen.append(plan["rowwise"])
-        return plan
-
-    monkeypatch.setattr(layer_split, "decoding_plan", recording)
+    plans = record_layout_plans(monkeypatch)
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # XLA's products (the kernel's own tests: test_few_rows_kernel.py)
@@ -57,7 +49,7 @@ def _beam_run(monkeypatch, layout, new_tokens):
     cfg = jaxgen.GenerationConfig(num_beams=4, num_return_sequences=2,
                                   max_new_tokens=new_tokens, pad_token_id=0)
     out = jaxgen.generate(params, jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg), cfg)
-    return out, seen
+    return out, [plan["rowwise"] for plan in plans]
 
 
 def test_beam_search_runs_rowwise_weights_with_the_stacked_layouts_beams(monkeypatch):

@@ -25,12 +25,6 @@ namespace {
 typedef float v8 __attribute__((vector_size(32)));  // 8 floats; AVX where the CPU has it
 
 constexpr int BLOCK_ROWS = 64;     // weight rows a claimed block covers
-#ifndef ONE_ROW_COLS
-#define ONE_ROW_COLS 4
-#endif
-#ifndef MIN_PARALLEL_FLOATS
-#define MIN_PARALLEL_FLOATS 0
-#endif
 constexpr int PREFETCH_TILES = 2;  // how many tiles ahead the weight rows are prefetched
 
 inline float sum_lanes(v8 v) {
@@ -73,7 +67,7 @@ inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
 template <int ROWS>
 void weight_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
                  int64_t begin, int64_t end, const float* w_end) {
-  constexpr int COLS = ROWS == 1 ? ONE_ROW_COLS : ROWS == 2 ? 4 : 2;  // within 16 registers
+  constexpr int COLS = ROWS <= 2 ? 4 : 2;  // accumulators + operands within 16 registers
   int64_t col = begin;
   for (; col + COLS <= end; col += COLS) tile<ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
   for (; col < end; ++col) tile<ROWS, 1>(x, k, w + col * k, y + col, n, w_end);
@@ -134,8 +128,7 @@ ffi::Error FewRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     std::fill(shared->y, shared->y + shared->m * shared->n, 0.0f);
     return ffi::Error::Success();
   }
-  const int64_t helpers = shared->m * shared->n * shared->k < MIN_PARALLEL_FLOATS ? 0
-      : std::min<int64_t>(pool.num_threads(), shared->blocks) - 1;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->blocks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { drain(*shared); });
   drain(*shared);
   // Every block is claimed; wait for the ones other threads are still running.
