@@ -2,7 +2,8 @@
 //
 // XLA:CPU's matrix-matrix kernels pack the weight before they multiply, which for a handful of
 // rows costs more than the arithmetic; this kernel streams each weight row (K contiguous
-// floats, the [N, K] layout) once per group of up to 4 input rows, with every later group
+// floats, the [N, K] layout) once per group of up to GROUP_ROWS input rows (4, or 8 where
+// AVX-512 gives 32 vector registers for the tile's accumulators), with every later group
 // reading it again from the L1/L2 cache, so M rows cost little more than one.
 //
 // Work is split into blocks of BLOCK_ROWS weight rows that the calling thread and tasks on
@@ -25,6 +26,12 @@ namespace {
 typedef float v8 __attribute__((vector_size(32)));  // 8 floats; AVX where the CPU has it
 
 constexpr int BLOCK_ROWS = 64;     // weight rows a claimed block covers
+#ifdef __AVX512F__
+constexpr int REGISTERS = 32;      // vector registers (AVX-512 gives 32 to 8-float vectors too)
+#else
+constexpr int REGISTERS = 16;
+#endif
+constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share one weight pass
 constexpr int PREFETCH_TILES = 2;  // how many tiles ahead the weight rows are prefetched
 
 inline float sum_lanes(v8 v) {
@@ -67,7 +74,9 @@ inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
 template <int ROWS>
 void weight_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
                  int64_t begin, int64_t end, const float* w_end) {
-  constexpr int COLS = ROWS <= 2 ? 4 : 2;  // accumulators + operands within 16 registers
+  // accumulators (ROWS * COLS) + operands (ROWS + COLS) within the vector registers
+  constexpr int COLS = REGISTERS >= 32 ? (ROWS <= 2 ? 8 : ROWS <= 4 ? 4 : 2)
+                                       : (ROWS <= 2 ? 4 : 2);
   int64_t col = begin;
   for (; col + COLS <= end; col += COLS) tile<ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
   for (; col < end; ++col) tile<ROWS, 1>(x, k, w + col * k, y + col, n, w_end);
@@ -77,11 +86,18 @@ void block(const float* x, int64_t m, int64_t k, const float* w, float* y, int64
            int64_t begin, int64_t end) {
   const float* w_end = w + n * k;
   int64_t row = 0;
-  for (; row + 4 <= m; row += 4) weight_rows<4>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
+  for (; row + GROUP_ROWS <= m; row += GROUP_ROWS)
+    weight_rows<GROUP_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
+  const float* xr = x + row * k;
+  float* yr = y + row * n;
   switch (m - row) {
-    case 3: weight_rows<3>(x + row * k, k, w, y + row * n, n, begin, end, w_end); break;
-    case 2: weight_rows<2>(x + row * k, k, w, y + row * n, n, begin, end, w_end); break;
-    case 1: weight_rows<1>(x + row * k, k, w, y + row * n, n, begin, end, w_end); break;
+    case 7: weight_rows<7 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 6: weight_rows<6 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 5: weight_rows<5 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 4: weight_rows<4>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 3: weight_rows<3>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 2: weight_rows<2>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 1: weight_rows<1>(xr, k, w, yr, n, begin, end, w_end); break;
     default: break;
   }
 }
