@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen.kernels import build
+from jaxgen.kernels import build, few_rows
 from jaxgen.kernels.few_rows import available, few_rows_product
 from jaxgen.models.kernel_matrix import KERNEL_MAX_ROWS, KernelMatrix, kernel_layers, kernel_stacks
 
@@ -90,7 +90,8 @@ def test_generate_with_the_kernel_gives_xla_s_tokens(monkeypatch, batch, setting
         np.testing.assert_allclose(with_kernel.sequences_scores, plain.sequences_scores, atol=1e-5)
 
 
-def test_multi_row_programs_call_the_kernel_and_one_row_programs_do_not(monkeypatch):
+def test_multi_row_programs_call_the_kernel_and_one_row_programs_only_with_8_row_groups(
+        monkeypatch):
     import jaxgen
     from jaxgen import compiled
     from jaxgen.decode import DecodeLoop
@@ -105,9 +106,21 @@ def test_multi_row_programs_call_the_kernel_and_one_row_programs_do_not(monkeypa
         state = jaxgen.init_state(model, [[3, 1, 4]] * batch, cfg)
         return compiled._run_kept.lower(params, state, cfg, None, loop=DecodeLoop()).as_text()
 
-    assert "jaxgen_few_rows" in program(2) and "jaxgen_few_rows" not in program(1)
+    assert "jaxgen_few_rows" in program(2)
+    for group in (4, 8):  # the 4-row build leaves one row to XLA's matrix-vector products
+        monkeypatch.setattr(few_rows, "group_rows", lambda group=group: group)
+        assert ("jaxgen_few_rows" in program(1)) == (group == 8)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
-    assert "jaxgen_few_rows" not in program(2)
+    assert "jaxgen_few_rows" not in program(2) and "jaxgen_few_rows" not in program(1)
+
+
+def test_the_build_reports_its_row_group_from_the_cpu_it_was_built_for(monkeypatch):
+    import platform
+
+    flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    assert few_rows.group_rows() == (8 if " avx512f" in flags else 4)
+    monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
+    assert few_rows.group_rows() == 0
 
 
 def test_second_call_with_the_kernel_does_not_recompile(monkeypatch):

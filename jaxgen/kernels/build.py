@@ -127,4 +127,15 @@ def _registered_target() -> str | None:
     return TARGET_NAME
 
 
-__all__ = ["SETTINGS", "cache_dir", "ffi_target", "kernel_setting"]
+def group_rows() -> int:
+    """Input rows the built kernel streams a weight row for at once: 8 where AVX-512 gives it 32
+    vector registers, 4 otherwise; 0 when the kernel is not available."""
+    return 0 if ffi_target() is None else _built_group_rows()
+
+
+@functools.cache
+def _built_group_rows() -> int:
+    return int(_load_library().JaxgenFewRowsGroupRows())  # the built library: loaded again
+
+
+__all__ = ["SETTINGS", "cache_dir", "ffi_target", "group_rows", "kernel_setting"]

@@ -162,3 +162,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenFewRows, FewRowsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer"));
+
+// The input rows one weight pass serves (4, or 8 with AVX-512), for the Python side's layout
+// decisions (`few_rows.group_rows`).
+extern "C" int JaxgenFewRowsGroupRows() { return GROUP_ROWS; }

@@ -11,7 +11,7 @@ a batched weight runs `jnp.einsum` instead.
 
 Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxgen.kernels.build import ffi_target
+    >>> from jaxgen.kernels.build import ffi_target, group_rows
     >>> x = jnp.arange(6.0).reshape(2, 3)            # [M, K]
     >>> w = jnp.arange(12.0).reshape(4, 3)           # [N, K]
     >>> if ffi_target() is not None:                 # built on this machine
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.kernels.build import ffi_target
+from jaxgen.kernels.build import ffi_target, group_rows
 
 
 def available() -> bool:
@@ -61,4 +61,4 @@ def _product(layer: int | None):
     return product
 
 
-__all__ = ["available", "few_rows_product"]
+__all__ = ["available", "few_rows_product", "group_rows"]
