@@ -11,7 +11,7 @@ a batched weight runs `jnp.einsum` instead.
 
 Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxgen.kernels.build import ffi_target, group_rows
+    >>> from jaxgen.kernels.build import ffi_target
     >>> x = jnp.arange(6.0).reshape(2, 3)            # [M, K]
     >>> w = jnp.arange(12.0).reshape(4, 3)           # [N, K]
     >>> if ffi_target() is not None:                 # built on this machine
