@@ -113,12 +113,16 @@ def ffi_target() -> str | None:
     return None if kernel_setting() == "off" else _registered_target()
 
 
+_LOADED: list = []  # the library registered in this process (read by group_rows)
+
+
 @functools.cache
 def _registered_target() -> str | None:
     try:
         library = _load_library()
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, HANDLER_SYMBOL)),
                                     platform="cpu")
+        _LOADED[:] = [library]
     except (RuntimeError, AttributeError, OSError) as error:
         warnings.warn(f"jaxgen: the CPU few-row kernel is not available ({error}); decoding "
                       f"runs XLA's own products (set {SETTING_VARIABLE}=off to silence this)",
@@ -130,12 +134,7 @@ def _registered_target() -> str | None:
 def group_rows() -> int:
     """Input rows the built kernel streams a weight row for at once: 8 where AVX-512 gives it 32
     vector registers, 4 otherwise; 0 when the kernel is not available."""
-    return 0 if ffi_target() is None else _built_group_rows()
-
-
-@functools.cache
-def _built_group_rows() -> int:
-    return int(_load_library().JaxgenFewRowsGroupRows())  # the built library: loaded again
+    return 0 if ffi_target() is None else int(_LOADED[0].JaxgenFewRowsGroupRows())
 
 
 __all__ = ["SETTINGS", "cache_dir", "ffi_target", "group_rows", "kernel_setting"]

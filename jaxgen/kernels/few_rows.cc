@@ -90,7 +90,7 @@ void block(const float* x, int64_t m, int64_t k, const float* w, float* y, int64
     weight_rows<GROUP_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
   const float* xr = x + row * k;
   float* yr = y + row * n;
-  switch (m - row) {
+  switch (m - row) {  // with 4-row groups cases 4..7 never occur (the modulo keeps them valid)
     case 7: weight_rows<7 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
     case 6: weight_rows<6 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
     case 5: weight_rows<5 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
