@@ -6,7 +6,8 @@ import pytest
 
 from jaxgen.kernels import build, few_rows
 from jaxgen.kernels.few_rows import available, few_rows_product
-from jaxgen.models.kernel_matrix import KERNEL_MAX_ROWS, KernelMatrix, kernel_layers, kernel_stacks
+from jaxgen.models.kernel_matrix import (KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS, KernelMatrix,
+                                        kernel_layers, kernel_stacks)
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -23,9 +24,11 @@ def _random(shape, seed):
 
 @pytest.mark.parametrize("lead, k, n", [((1,), 16, 40), ((2,), 7, 3), ((3,), 577, 131),
                                         ((5,), 64, 65), ((2, 4), 24, 1), ((9,), 40, 257),
-                                        ((1, 16), 72, 130), ((KERNEL_MAX_ROWS,), 33, 70)])
+                                        ((1, 16), 72, 130), ((KERNEL_MAX_ROWS,), 33, 70),
+                                        ((STACKED_KERNEL_MAX_ROWS - 3,), 40, 66)])
 def test_kernel_product_equals_xla_for_row_counts_and_ragged_shapes(lead, k, n):
-    # rows 1-32 (every 4-row group size and its tail), K and N off the tile sizes
+    # rows 1-32 (every 4- and 8-row group size and its tail) and a stack's bound less 3, K and
+    # N off the tile sizes
     x, w = _random(lead + (k,), 0), _random((n, k), 1)
     got = jax.jit(few_rows_product)(x, w)  # [..., N]
     want = jnp.einsum("...k,nk->...n", x, w, precision="highest")
@@ -56,11 +59,17 @@ def test_kernel_matrix_falls_back_past_the_row_bound_and_stands_for_its_k_by_n_w
     per_layer = kernel_layers(*kernel_stacks({"wq": weight, "attn_norm": _random((3, 12), 8)}))
     matrix = per_layer[2]["wq"]
     assert isinstance(matrix, KernelMatrix) and matrix.shape == (12, 20) and matrix.layer == 2
-    for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1):
+    own = KernelMatrix.of(weight[2])  # a weight of its own buffer: XLA reads it in place
+    assert own.layer is None and own.shape == (12, 20)
+    # a layer of a stack keeps the kernel further (XLA would copy the layer out first)
+    assert STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS
+    for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, STACKED_KERNEL_MAX_ROWS,
+                 STACKED_KERNEL_MAX_ROWS + 1):
         x = _random((rows, 1, 12), rows)
-        lowered = jax.jit(lambda x, m: x @ m).lower(x, matrix).as_text()
-        assert ("jaxgen_few_rows" in lowered) == (rows <= KERNEL_MAX_ROWS)
-        np.testing.assert_allclose(x @ matrix, x @ weight[2], rtol=1e-5, atol=1e-4)
+        for m, bound in ((matrix, STACKED_KERNEL_MAX_ROWS), (own, KERNEL_MAX_ROWS)):
+            lowered = jax.jit(lambda x, m: x @ m).lower(x, m).as_text()
+            assert ("jaxgen_few_rows" in lowered) == (rows <= bound), (rows, m.layer)
+            np.testing.assert_allclose(x @ m, x @ weight[2], rtol=1e-5, atol=1e-4)
     assert jnp.array_equal(per_layer[1]["attn_norm"], _random((3, 12), 8)[1])
 
 
