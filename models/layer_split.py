@@ -230,8 +230,11 @@ def decoding_plan(model, params, rows: int | None = None) -> dict | None:
 def _kernel_runs(params, rows: int | None) -> bool:
     """The native kernel's layout applies: one CPU device, float32 weights, the kernel built,
     and not a one-row program unless the kernel streams groups of 8 rows (AVX-512 build:
-    whole batch-1 programs 1.1x faster than XLA's matrix-vector products on a Zen 4 host;
-    the 4-row build measured 0.81-0.90x of them on an AVX2 host)."""
+    whole batch-1 programs 1.1x faster than XLA's matrix-vector products on a Zen 4 host,
+    more once one row streamed each weight row whole (26-30 -> 20-21 ms/token, not re-timed
+    against XLA); the 4-row build measured 0.81-0.90x
+    of them on an AVX2 host, with the earlier one-row tiles: its streaming path is unmeasured
+    there)."""
     return (jax.default_backend() == "cpu" and jax.device_count() == 1
             and _all_float32(params) and few_rows.available()
             and (rows != 1 or few_rows.group_rows() >= 8))
