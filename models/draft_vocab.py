@@ -33,6 +33,7 @@ import numpy as np
 
 from .llama import Llama, ModelOutput, rms_norm
 from .kernel_matrix import KernelMatrix
+from .quantized_kernel_matrix import QuantizedKernelMatrix
 from .quantize import dense
 
 
@@ -51,6 +52,10 @@ def restricted_logits(model: Llama, params: dict, hidden: jax.Array, vocab) -> j
     normed = rms_norm(hidden, params["final_norm"], model.config.rms_norm_eps)  # [..., D]
     if "draft_head" in params:
         rows = params["draft_head"]  # [D, V_d]
+    elif isinstance(params.get("lm_head"), QuantizedKernelMatrix):  # for_decoding's, [V, ...]
+        rows = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.asarray(vocab), axis=-2),
+                                      params["lm_head"])  # codes, scales, offsets [V_d, ...]
+        return (normed @ rows).astype(jnp.float32)  # [..., V_d]
     elif hasattr(params.get("lm_head"), "dequantize"):
         # a quantized head (load(weights="int8" / "gguf")): its output columns, codes and scales
         rows = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.asarray(vocab), axis=-1),

@@ -70,14 +70,19 @@ class KernelMatrix:
 
 def kernel_stacks(layers: dict) -> tuple[dict, list[dict]]:
     """Stacked layer weights (each leaf [L, ...]) -> (every float32 matrix stack transposed
-    once, {name: [L, N, K]}; the other leaves (norms, biases, quantized matrices, other dtypes)
-    sliced per layer). Arrays only, each once: what a compiled call may return."""
+    once, {name: [L, N, K]}, and every quantized stack the quantized kernel takes in its layout,
+    {name: QuantizedKernelMatrix}; the other leaves (norms, biases, other dtypes) sliced per
+    layer). Arrays only, each once: what a compiled call may return."""
+    from .quantized_kernel_matrix import QuantizedKernelMatrix, kernel_takes
+
     def is_float32_stack(value) -> bool:
         return isinstance(value, jax.Array) and value.ndim == 3 and value.dtype == jnp.float32
 
     count = jax.tree_util.tree_leaves(layers)[0].shape[0]
     transposed = {name: jnp.swapaxes(value, 1, 2)  # [L, N, K]
-                  for name, value in layers.items() if is_float32_stack(value)}
+                  if is_float32_stack(value) else QuantizedKernelMatrix.of(value)
+                  for name, value in layers.items()
+                  if is_float32_stack(value) or (kernel_takes(value) and len(value.shape) == 3)}
     others = [{name: jax.tree_util.tree_map(lambda a, i=i: a[i], value)
                for name, value in layers.items() if name not in transposed}
               for i in range(count)]
@@ -86,7 +91,8 @@ def kernel_stacks(layers: dict) -> tuple[dict, list[dict]]:
 
 def kernel_layers(transposed: dict, others: list[dict]) -> list[dict]:
     """`kernel_stacks`' pieces -> one dict per layer in which every transposed matrix is a
-    KernelMatrix over its stack (one buffer that every layer reads in place).
+    KernelMatrix (or QuantizedKernelMatrix) over its stack (one buffer that every layer reads
+    in place).
 
     Example:
         >>> import jax.numpy as jnp
@@ -98,7 +104,12 @@ def kernel_layers(transposed: dict, others: list[dict]) -> list[dict]:
         >>> per_layer[1]["attn_norm"].shape
         (4,)
     """
-    return [dict(rest, **{name: KernelMatrix(stack, layer=i) for name, stack in transposed.items()})
+    def layer_of(stack, i: int):
+        if isinstance(stack, jax.Array):
+            return KernelMatrix(stack, layer=i)
+        return dataclasses.replace(stack, layer=i)  # a QuantizedKernelMatrix
+
+    return [dict(rest, **{name: layer_of(stack, i) for name, stack in transposed.items()})
             for i, rest in enumerate(others)]
 
 

@@ -47,6 +47,9 @@ import jax.numpy as jnp
 
 from jaxgen.kernels import few_rows
 from jaxgen.models.kernel_matrix import KernelMatrix, kernel_layers, kernel_stacks
+from jaxgen.models.quantized_kernel_matrix import QuantizedKernelMatrix, kernel_takes
+from jaxgen.models.gguf_blocks import BlockMatrix
+from jaxgen.models.quantize import Int8Matrix
 from jaxgen.models.rowwise import ROWWISE_MAX_ROWS, rowwise_layer
 
 LAYOUT_VARIABLE = "JAXGEN_LAYER_LAYOUT"
@@ -87,8 +90,13 @@ def split_pieces(params, fuse: bool = False, rowwise: bool = False, kernel: bool
         layers = jax.tree_util.tree_map(lambda *each: jnp.stack(each), *layers)  # [L, ...]
     if kernel:  # the stacks fused and transposed whole, read in place per layer
         stacks = kernel_stacks(fuse_projections(layers) if fuse else layers)
-        float_head = isinstance(head, jax.Array) and head.dtype == jnp.float32
-        return {"layers": stacks, "lm_head": head.T if float_head else None}  # [V, D]
+        if isinstance(head, jax.Array) and head.dtype == jnp.float32:
+            head = head.T  # [V, D]
+        elif kernel_takes(head):
+            head = QuantizedKernelMatrix.of(head)  # codes [V, ...]
+        else:
+            head = None
+        return {"layers": stacks, "lm_head": head}
     count = jax.tree_util.tree_leaves(layers)[0].shape[0]
     per_layer = [jax.tree_util.tree_map(lambda a, i=i: a[i], layers)  # each leaf [...]
                  for i in range(count)]
@@ -103,7 +111,9 @@ def with_split_pieces(params, pieces, kernel: bool = False):
     """params laid out as `split_pieces` computed them (no array work: host or traced)."""
     head = pieces["lm_head"]
     if kernel:
-        if head is not None:  # an untied float32 head, transposed
+        if isinstance(head, QuantizedKernelMatrix):  # a quantized head in the kernel's layout
+            pass
+        elif head is not None:  # an untied float32 head, transposed
             head = KernelMatrix(head)  # [V, D]
         elif params.get("lm_head") is None:  # tied: the embedding itself
             head = KernelMatrix(params["embed"])  # [V, D]
@@ -255,7 +265,14 @@ def _plain_per_layer(params) -> bool:
 
 
 def _all_float32(params) -> bool:
-    """True when every layer matrix and the embedding are float32 (the kernel's dtype)."""
-    leaves = jax.tree_util.tree_leaves(params["layers"]) + [params["embed"]]
+    """True when every layer matrix and the embedding are float32 (the kernel's dtype) or
+    quantized matrices the quantized kernel takes (load(weights="int8" / "gguf"))."""
+    layers = params["layers"]
+    matrices = list(layers.values()) if isinstance(layers, Mapping) else \
+        [value for layer in layers for value in layer.values()]
+    if any(isinstance(m, (Int8Matrix, BlockMatrix)) and not kernel_takes(m) for m in matrices):
+        return False
+    floats = [m for m in matrices if not isinstance(m, (Int8Matrix, BlockMatrix))]
+    leaves = jax.tree_util.tree_leaves(floats) + [params["embed"]]
     return all(not isinstance(leaf, jax.Array) or leaf.ndim < 2 or leaf.dtype == jnp.float32
                for leaf in leaves)

@@ -48,6 +48,7 @@ from .exit_adapter import apply_exit_adapter, exit_adapter_shapes
 from .gguf_blocks import BlockMatrix
 from .kernel_matrix import KernelMatrix
 from .quantize import Int8Matrix
+from .quantized_kernel_matrix import QuantizedKernelMatrix
 from .mtp import MtpLayers
 from .mtp_layout import mtp_shapes
 from .norms import rms_norm  # re-exported (models import it from here)
@@ -475,7 +476,8 @@ class Llama:
                 isinstance(copy, jax.Array) and rows >= HEAD_BY_VOCAB_MIN_ROWS)):
             return jnp.einsum("bsd,vd->bsv", normed, params["embed"],
                               preferred_element_type=jnp.float32)  # [B, S, V]
-        if isinstance(params["lm_head"], (Int8Matrix, BlockMatrix, KernelMatrix)):
+        if isinstance(params["lm_head"], (Int8Matrix, BlockMatrix, KernelMatrix,
+                                          QuantizedKernelMatrix)):
             return (normed @ params["lm_head"]).astype(jnp.float32)  # [B, S, V]
         return jnp.einsum("bsd,dv->bsv", normed, params["lm_head"],
                           preferred_element_type=jnp.float32)  # [B, S, V]

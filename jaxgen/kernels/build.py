@@ -1,8 +1,8 @@
-"""Compile `few_rows.cc` with the system C++ compiler on first use and register it with XLA.
+"""Compile the native kernels (`few_rows.cc`, `quantized_rows.cc`) with the system C++ compiler on first use and register it with XLA.
 
 The shared library lands in a cache folder ($JAXGEN_KERNEL_DIR, else
 $XDG_CACHE_HOME/jaxgen/kernels, else ~/.cache/jaxgen/kernels) under a name that hashes the
-source, the flags, jaxlib's version, the compiler's version and the CPU's feature flags, so a
+sources, the flags, jaxlib's version, the compiler's version and the CPU's feature flags, so a
 later process loads it without compiling (about 10 s) and a changed machine or jaxlib builds
 its own. $JAXGEN_CPU_KERNELS=off never builds; when building fails (no compiler, no FFI
 headers) `ffi_target()` returns None once with a warning that says why, and callers run
@@ -28,9 +28,13 @@ from pathlib import Path
 import jax
 import jaxlib
 
-SOURCE = Path(__file__).with_name("few_rows.cc")
-TARGET_NAME = "jaxgen_few_rows"
-HANDLER_SYMBOL = "JaxgenFewRows"
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("few_rows.cc", "quantized_rows.cc"))  # one library
+HEADERS = (Path(__file__).with_name("few_rows.h"),)
+TARGETS = {"jaxgen_few_rows": "JaxgenFewRows",  # FFI target name: the library's handler
+           "jaxgen_quantized_rows": "JaxgenQuantizedRows"}
+TARGET_NAME = "jaxgen_few_rows"  # what ffi_target() names: float32 weights
+QUANTIZED_TARGET_NAME = "jaxgen_quantized_rows"  # int8 / 4-bit codes
 SETTING_VARIABLE = "JAXGEN_CPU_KERNELS"
 SETTINGS = ("auto", "off")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -72,7 +76,7 @@ def _library_name(flags: tuple[str, ...]) -> str:
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
                              timeout=60).stdout
     digest = hashlib.sha256("\n".join([
-        SOURCE.read_text(), " ".join(flags), jaxlib.__version__, version, _cpu_flags(),
+        *(path.read_text() for path in SOURCES + HEADERS), " ".join(flags), jaxlib.__version__, version, _cpu_flags(),
     ]).encode()).hexdigest()[:16]
     return f"few_rows-{digest}.so"
 
@@ -84,7 +88,8 @@ def _compile(target: Path, flags: tuple[str, ...]) -> None:
     handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        command = [_compiler(), *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", scratch]
+        command = [_compiler(), *flags, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o",
+                   scratch]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if result.returncode:
             raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
@@ -120,8 +125,9 @@ _LOADED: list = []  # the library registered in this process (read by group_rows
 def _registered_target() -> str | None:
     try:
         library = _load_library()
-        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, HANDLER_SYMBOL)),
-                                    platform="cpu")
+        for name, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
         _LOADED[:] = [library]
     except (RuntimeError, AttributeError, OSError) as error:
         warnings.warn(f"jaxgen: the CPU few-row kernel is not available ({error}); decoding "
@@ -131,10 +137,15 @@ def _registered_target() -> str | None:
     return TARGET_NAME
 
 
+def quantized_target() -> str | None:
+    """The FFI target of the quantized-weight kernel (same library, same conditions)."""
+    return None if ffi_target() is None else QUANTIZED_TARGET_NAME
+
+
 def group_rows() -> int:
     """Input rows the built kernel streams a weight row for at once: 8 where AVX-512 gives it 32
     vector registers, 4 otherwise; 0 when the kernel is not available."""
     return 0 if ffi_target() is None else int(_LOADED[0].JaxgenFewRowsGroupRows())
 
 
-__all__ = ["SETTINGS", "cache_dir", "ffi_target", "group_rows", "kernel_setting"]
+__all__ = ["SETTINGS", "cache_dir", "ffi_target", "group_rows", "kernel_setting", "quantized_target"]

@@ -1,0 +1,170 @@
+// Shared pieces of the few-row kernels (few_rows.cc: float32 weights; quantized_rows.cc:
+// int8 and GGUF block weights): float tiles over a few input rows, the one- and two-row
+// streaming path, and the driver that splits weight rows into blocks across XLA's thread pool.
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxgen_rows {
+
+typedef float v8 __attribute__((vector_size(32)));  // 8 floats; AVX where the CPU has it
+
+constexpr int BLOCK_ROWS = 64;     // weight rows a claimed block covers
+#ifdef __AVX512F__
+constexpr int REGISTERS = 32;      // vector registers (AVX-512 gives 32 to 8-float vectors too)
+#else
+constexpr int REGISTERS = 16;
+#endif
+constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share one weight pass
+constexpr int PREFETCH_TILES = 2;  // how many tiles ahead the weight rows are prefetched
+
+inline float sum_lanes(v8 v) {
+  float total = 0.0f;
+  for (int lane = 0; lane < 8; ++lane) total += v[lane];
+  return total;
+}
+
+// ROWS input rows x COLS weight rows: ROWS * COLS dot products of length k.
+template <int ROWS, int COLS>
+inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
+                 const float* w_end) {
+  v8 acc[ROWS][COLS];
+  _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) acc[r][c] = v8{};
+  const int64_t k8 = k - k % 8;
+  for (int64_t i = 0; i < k8; i += 8) {
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+      const float* ahead = w + (c + PREFETCH_TILES * COLS) * k + i;
+      if (ahead < w_end) __builtin_prefetch(ahead, 0, 0);
+    }
+    v8 xv[ROWS];
+    _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+      std::memcpy(&xv[r], x + r * k + i, sizeof(v8));
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+      v8 wv;
+      std::memcpy(&wv, w + c * k + i, sizeof(v8));
+      _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) acc[r][c] += xv[r] * wv;
+    }
+  }
+  _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+      float total = sum_lanes(acc[r][c]);
+      for (int64_t i = k8; i < k; ++i) total += x[r * k + i] * w[c * k + i];
+      y[r * n + c] = total;
+    }
+}
+
+// One or two input rows: each weight row is read whole before the next (the block is one
+// linear stream, which the hardware prefetcher follows; software prefetches measured slower
+// here), with ACCUMULATORS independent sums per input row.
+template <int ROWS>
+void stream_rows(const float* x, int64_t k, const float* w, float* y, int64_t n, int64_t begin,
+                 int64_t end) {
+  constexpr int ACCUMULATORS = 4;
+  constexpr int STEP = 8 * ACCUMULATORS;  // floats of a weight row per iteration
+  const int64_t k_steps = k - k % STEP;
+  for (int64_t col = begin; col < end; ++col) {
+    const float* row = w + col * k;
+    v8 acc[ROWS][ACCUMULATORS];
+    _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+      _Pragma("GCC unroll 16") for (int a = 0; a < ACCUMULATORS; ++a) acc[r][a] = v8{};
+    for (int64_t i = 0; i < k_steps; i += STEP) {
+      v8 wv[ACCUMULATORS];
+      _Pragma("GCC unroll 16") for (int a = 0; a < ACCUMULATORS; ++a)
+        std::memcpy(&wv[a], row + i + 8 * a, sizeof(v8));
+      _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+        _Pragma("GCC unroll 16") for (int a = 0; a < ACCUMULATORS; ++a) {
+          v8 xv;
+          std::memcpy(&xv, x + r * k + i + 8 * a, sizeof(v8));
+          acc[r][a] += xv * wv[a];
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) {
+      v8 sum = acc[r][0];
+      _Pragma("GCC unroll 16") for (int a = 1; a < ACCUMULATORS; ++a) sum += acc[r][a];
+      float total = sum_lanes(sum);
+      for (int64_t i = k_steps; i < k; ++i) total += x[r * k + i] * row[i];
+      y[r * n + col] = total;
+    }
+  }
+}
+
+// Input rows [0, ROWS) against weight rows [begin, end).
+template <int ROWS>
+void weight_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
+                 int64_t begin, int64_t end, const float* w_end) {
+  if constexpr (ROWS <= 2) {
+    stream_rows<ROWS>(x, k, w, y, n, begin, end);
+  } else {
+    // accumulators (ROWS * COLS) + operands (ROWS + COLS) within the vector registers
+    constexpr int COLS = REGISTERS >= 32 && ROWS <= 4 ? 4 : 2;
+    int64_t col = begin;
+    for (; col + COLS <= end; col += COLS) tile<ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
+    for (; col < end; ++col) tile<ROWS, 1>(x, k, w + col * k, y + col, n, w_end);
+  }
+}
+
+inline void block(const float* x, int64_t m, int64_t k, const float* w, float* y, int64_t n,
+           int64_t begin, int64_t end) {
+  const float* w_end = w + n * k;
+  int64_t row = 0;
+  for (; row + GROUP_ROWS <= m; row += GROUP_ROWS)
+    weight_rows<GROUP_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
+  const float* xr = x + row * k;
+  float* yr = y + row * n;
+  switch (m - row) {  // with 4-row groups cases 4..7 never occur (the modulo keeps them valid)
+    case 7: weight_rows<7 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 6: weight_rows<6 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 5: weight_rows<5 % GROUP_ROWS>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 4: weight_rows<4>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 3: weight_rows<3>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 2: weight_rows<2>(xr, k, w, yr, n, begin, end, w_end); break;
+    case 1: weight_rows<1>(xr, k, w, yr, n, begin, end, w_end); break;
+    default: break;
+  }
+}
+
+// Runs body(begin, end) over [0, n) in blocks of BLOCK_ROWS weight rows that the calling
+// thread and tasks on XLA's intra-op thread pool claim from one atomic counter; the caller
+// waits only for blocks another thread has claimed, so a busy or missing pool slows the call
+// but never blocks it.
+struct Blocks {
+  std::function<void(int64_t, int64_t)> body;
+  int64_t n, blocks;
+  std::atomic<int64_t> next{0};      // the next unclaimed block
+  std::atomic<int64_t> finished{0};  // blocks done
+};
+
+inline void drain(Blocks& s) {
+  for (int64_t b = s.next.fetch_add(1); b < s.blocks; b = s.next.fetch_add(1)) {
+    int64_t begin = b * BLOCK_ROWS, end = std::min(begin + BLOCK_ROWS, s.n);
+    s.body(begin, end);
+    s.finished.fetch_add(1, std::memory_order_release);
+  }
+}
+
+inline void run_blocks(xla::ffi::ThreadPool& pool, int64_t n,
+                       std::function<void(int64_t, int64_t)> body) {
+  auto shared = std::make_shared<Blocks>();
+  shared->body = std::move(body);
+  shared->n = n;
+  shared->blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->blocks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { drain(*shared); });
+  drain(*shared);
+  // Every block is claimed; wait for the ones other threads are still running.
+  while (shared->finished.load(std::memory_order_acquire) < shared->blocks)
+    std::this_thread::yield();
+}
+
+}  // namespace jaxgen_rows

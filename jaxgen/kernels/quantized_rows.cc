@@ -1,0 +1,271 @@
+// y[M, N] = x[M, K] @ w[N, K]^T for a few rows M, with w kept as integer codes: int8 codes
+// (load(weights="int8"), GGUF Q8_0) or 4-bit codes two to a byte (GGUF Q4_0 / Q4_1), each
+// group of `group` inputs of an output row with one scale and, for Q4_1, one offset:
+//     w[n, i] = scale[n, g] * (code[n, i] - code_offset) + offset[n, g],  g = i / group.
+// XLA:CPU converts a quantized matrix to float32 in memory before its product (so int8 weights
+// read more bytes than float ones); here the codes are read once and expanded in registers.
+//
+// One or two input rows multiply the codes as they are expanded, one linear stream per weight
+// row: sum_g scale_g * (x_g . code_g) + (offset_g - scale_g * code_offset) * sum(x_g), where
+// the sums of x over each group are taken once per call. More rows expand a few weight rows
+// at a time into a float buffer that stays in cache and run the float tiles of few_rows.h on it.
+//
+// Layout of row n: codes[n] = K int8 codes, or K / 2 bytes in which byte j of each 32-input
+// block holds input j in its low nibble and input j + 16 in its high one (GGUF's packing);
+// scale[n] and offset[n] = K / group float32 or float16 values.
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "few_rows.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace jaxgen_rows;
+
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+constexpr int64_t BUFFER_FLOATS = 16384;  // floats of expanded weight rows per tile (64 KB)
+
+template <typename Scale>
+inline float to_float(const Scale* values, int64_t i) {
+  Scale value;
+  std::memcpy(&value, values + i, sizeof(Scale));
+  return static_cast<float>(value);
+}
+
+struct Quantized {
+  const uint8_t* codes;  // row n at codes + n * row_bytes
+  const void* scale;     // [N, groups]
+  const void* offset;    // [N, groups], or nullptr
+  int64_t row_bytes, groups, group, k, n;
+  float code_offset;
+};
+
+inline v8 expand8(const uint8_t* row, int64_t i) {  // 8 int8 codes -> 8 floats
+#ifdef __AVX2__
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i));
+  return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+#else
+  i8x8 c;
+  std::memcpy(&c, row + i, 8);
+  return __builtin_convertvector(__builtin_convertvector(c, i32x8), v8);
+#endif
+}
+
+// 32 codes of a block starting at input i of a row -> 4 x 8 floats (inputs i .. i + 31).
+// (GCC 12 turns __builtin_convertvector of 8-bit lanes to floats into one scalar conversion a
+// lane, hence the AVX2 intrinsics; the portable branch is for other CPUs.)
+template <bool NIBBLES>
+inline void expand32(const uint8_t* row, int64_t i, v8 w[4]) {
+  if constexpr (NIBBLES) {
+#ifdef __AVX2__
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(packed, mask);                      // inputs 0..15
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // inputs 16..31
+    w[0] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+    w[1] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+    w[2] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+    w[3] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+#else
+    u8x8 first, second;  // bytes 0..7 and 8..15 of the block
+    std::memcpy(&first, row + i / 2, 8);
+    std::memcpy(&second, row + i / 2 + 8, 8);
+    w[0] = __builtin_convertvector(__builtin_convertvector(first & 15, i32x8), v8);
+    w[1] = __builtin_convertvector(__builtin_convertvector(second & 15, i32x8), v8);
+    w[2] = __builtin_convertvector(__builtin_convertvector(first >> 4, i32x8), v8);
+    w[3] = __builtin_convertvector(__builtin_convertvector(second >> 4, i32x8), v8);
+#endif
+  } else {
+    _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) w[a] = expand8(row, i + 8 * a);
+  }
+}
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v8));
+  return v;
+}
+
+// One or two input rows against weight rows [begin, end), codes multiplied as expanded.
+// xsums: ROWS x groups sums of x over each group (read only when a group has a shift).
+template <int ROWS, bool NIBBLES, typename Scale>
+void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y, int64_t begin,
+                int64_t end) {
+  const Scale* scales = static_cast<const Scale*>(q.scale);
+  const Scale* offsets = static_cast<const Scale*>(q.offset);
+  const bool shifted = offsets != nullptr || q.code_offset != 0.0f;
+  const int64_t whole = q.group - q.group % 32;  // inputs of a group taken 32 at a time
+  for (int64_t col = begin; col < end; ++col) {
+    const uint8_t* row = q.codes + col * q.row_bytes;
+    v8 acc[ROWS];
+    float shift_total[ROWS];
+    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) acc[r] = v8{}, shift_total[r] = 0.0f;
+    for (int64_t g = 0; g < q.groups; ++g) {
+      const int64_t start = g * q.group;
+      v8 part[ROWS][4];
+      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+        _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) part[r][a] = v8{};
+      for (int64_t i = start; i < start + whole; i += 32) {
+        v8 w[4];
+        expand32<NIBBLES>(row, i, w);
+        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+          _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
+            part[r][a] += load8(x + r * q.k + i + 8 * a) * w[a];
+      }
+      if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
+        for (int64_t i = start + whole; i < start + q.group; i += 8) {
+          const v8 w = expand8(row, i);
+          _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+            part[r][0] += load8(x + r * q.k + i) * w;
+        }
+      }
+      const float scale = to_float(scales, col * q.groups + g);
+      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+        acc[r] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * scale;
+      if (shifted) {
+        const float offset = offsets ? to_float(offsets, col * q.groups + g) : 0.0f;
+        const float shift = offset - scale * q.code_offset;
+        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+          shift_total[r] += shift * xsums[r * q.groups + g];
+      }
+    }
+    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+      y[r * q.n + col] = sum_lanes(acc[r]) + shift_total[r];
+  }
+}
+
+// Weight row col expanded to K floats: scale * (code - code_offset) + offset.
+template <bool NIBBLES, typename Scale>
+void expand_row(const Quantized& q, int64_t col, float* out) {
+  const uint8_t* row = q.codes + col * q.row_bytes;
+  const Scale* scales = static_cast<const Scale*>(q.scale);
+  const Scale* offsets = static_cast<const Scale*>(q.offset);
+  const int64_t whole = q.group - q.group % 32;
+  for (int64_t g = 0; g < q.groups; ++g) {
+    const int64_t start = g * q.group;
+    const float scale = to_float(scales, col * q.groups + g);
+    const float offset = offsets ? to_float(offsets, col * q.groups + g) : 0.0f;
+    for (int64_t i = start; i < start + whole; i += 32) {
+      v8 w[4];
+      expand32<NIBBLES>(row, i, w);
+      _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) {
+        const v8 value = (w[a] - q.code_offset) * scale + offset;
+        std::memcpy(out + i + 8 * a, &value, sizeof(v8));
+      }
+    }
+    if constexpr (!NIBBLES) {
+      for (int64_t i = start + whole; i < start + q.group; i += 8) {
+        const v8 value = (expand8(row, i) - q.code_offset) * scale + offset;
+        std::memcpy(out + i, &value, sizeof(v8));
+      }
+    }
+  }
+}
+
+// Rows [0, m) of x against weight rows [begin, end).
+template <bool NIBBLES, typename Scale>
+void quantized_block(const Quantized& q, const float* x, int64_t m, const float* xsums, float* y,
+                     int64_t begin, int64_t end) {
+  if (m == 1) return fused_rows<1, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+  if (m == 2) return fused_rows<2, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+  const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(16, BUFFER_FLOATS / q.k));
+  std::vector<float> expanded(tile_rows * q.k);  // [tile_rows, K]
+  for (int64_t col = begin; col < end; col += tile_rows) {
+    const int64_t count = std::min(tile_rows, end - col);
+    for (int64_t c = 0; c < count; ++c) expand_row<NIBBLES, Scale>(q, col + c, &expanded[c * q.k]);
+    block(x, m, q.k, expanded.data(), y + col, q.n, 0, count);
+  }
+}
+
+template <bool NIBBLES, typename Scale>
+void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, float* y) {
+  std::vector<float> xsums;  // [m, groups], for the one- and two-row path's shifts
+  if (m <= 2 && (q.offset != nullptr || q.code_offset != 0.0f)) {
+    xsums.assign(m * q.groups, 0.0f);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < q.groups; ++g)
+        for (int64_t i = g * q.group; i < (g + 1) * q.group; ++i) xsums[r * q.groups + g] += x[r * q.k + i];
+  }
+  const float* sums = xsums.data();
+  run_blocks(pool, q.n, [&q, x, m, sums, y](int64_t begin, int64_t end) {
+    quantized_block<NIBBLES, Scale>(q, x, m, sums, y, begin, end);
+  });
+}
+
+// codes: int8 [N, K] or uint8 [N, K / 2], or a stack [L, N, ...] of which `layer` is read;
+// scale, offset: float32 or float16 [(L,) N, G] (offset empty: none).
+ffi::Error QuantizedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                             ffi::AnyBuffer scale, ffi::AnyBuffer offset,
+                             ffi::ResultBuffer<ffi::F32> y, int64_t layer, int64_t code_offset) {
+  const auto code_dims = codes.dimensions();
+  const auto scale_dims = scale.dimensions();
+  const size_t rank = code_dims.size();
+  const bool nibbles = codes.element_type() == ffi::DataType::U8;
+  if (!nibbles && codes.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("quantized_rows: codes must be int8 or uint8");
+  if (scale.element_type() != ffi::DataType::F32 && scale.element_type() != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("quantized_rows: scales must be float32 or float16");
+  const bool has_offset = offset.element_count() != 0;
+  if (has_offset && offset.element_type() != scale.element_type())
+    return ffi::Error::InvalidArgument("quantized_rows: offsets must have the scales' dtype");
+  if ((rank != 2 && rank != 3) || scale_dims.size() != rank ||
+      (has_offset && offset.dimensions().size() != rank))
+    return ffi::Error::InvalidArgument("quantized_rows: codes [N, Kc] or [L, N, Kc] expected");
+  const int64_t layers = rank == 3 ? code_dims[0] : 1;
+  if (layer < 0 || layer >= layers)
+    return ffi::Error::InvalidArgument("quantized_rows: layer outside the weight stack");
+  Quantized q;
+  q.n = code_dims[rank - 2];
+  q.row_bytes = code_dims[rank - 1];
+  q.k = nibbles ? 2 * q.row_bytes : q.row_bytes;
+  q.groups = scale_dims[rank - 1];
+  if (x.dimensions().size() < 1 || x.dimensions().back() != q.k || scale_dims[rank - 2] != q.n ||
+      q.groups < 1 || q.k % q.groups)
+    return ffi::Error::InvalidArgument("quantized_rows: x [..., K], scales [N, G] with G | K");
+  q.group = q.k / q.groups;
+  if (q.group % (nibbles ? 32 : 8))
+    return ffi::Error::InvalidArgument("quantized_rows: groups of 32 (4-bit) or 8 (int8) inputs");
+  const int64_t scale_bytes = scale.element_type() == ffi::DataType::F32 ? 4 : 2;
+  q.codes = static_cast<const uint8_t*>(codes.untyped_data()) + layer * q.n * q.row_bytes;
+  q.scale = static_cast<const char*>(scale.untyped_data()) + layer * q.n * q.groups * scale_bytes;
+  q.offset = has_offset ? static_cast<const char*>(offset.untyped_data()) +
+                              layer * q.n * q.groups * scale_bytes
+                        : nullptr;
+  q.code_offset = static_cast<float>(code_offset);
+  const float* xs = x.typed_data();
+  float* ys = y->typed_data();
+  if (q.k == 0) {
+    std::fill(ys, ys + y->element_count(), 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t m = static_cast<int64_t>(x.element_count()) / q.k;
+  if (m == 0 || q.n == 0) return ffi::Error::Success();
+  if (scale_bytes == 4) {
+    if (nibbles) run<true, float>(pool, q, xs, m, ys); else run<false, float>(pool, q, xs, m, ys);
+  } else {
+    if (nibbles) run<true, _Float16>(pool, q, xs, m, ys);
+    else run<false, _Float16>(pool, q, xs, m, ys);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenQuantizedRows, QuantizedRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("code_offset"));
