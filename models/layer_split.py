@@ -132,7 +132,8 @@ def fuse_projections(layer: dict) -> dict:
     (SmolLM2 batch 1: 0.86x the time a step), and for 2-4 rows run row by row
     (`models/rowwise.py`: greedy batch 2 / 4 and 4 beams 0.88 / 0.84 / 0.91x the time a
     step), not for plain matrix-matrix products (1.02-1.12x: their kernels run the wider
-    matrices slower). Quantized matrices (Int8Matrix, BlockMatrix) stay as they are.
+    matrices slower). Quantized matrices (Int8Matrix with one group size, BlockMatrix of one
+    kind) are joined the same way: codes, scales and offsets side by side.
 
     Example:
         >>> import jax.numpy as jnp
@@ -146,10 +147,26 @@ def fuse_projections(layer: dict) -> dict:
     for parts, name in ((("wq", "wk", "wv"), "wqkv"), (("w_gate", "w_up"), "w_gate_up")):
         matrices = [layer.get(part) for part in parts]
         if all(isinstance(m, jax.Array) for m in matrices):
-            for part in parts:
-                del fused[part]
-            fused[name] = jnp.concatenate(matrices, axis=-1)  # [..., D, sum of outputs]
+            joined = jnp.concatenate(matrices, axis=-1)  # [..., D, sum of outputs]
+        elif _same_quantization(matrices):  # codes, scales (and offsets) side by side
+            joined = jax.tree_util.tree_map(lambda *leaves: jnp.concatenate(leaves, axis=-1),
+                                            *matrices)  # [..., D (or D / 2, D / g), outputs]
+        else:
+            continue
+        for part in parts:
+            del fused[part]
+        fused[name] = joined
     return fused
+
+
+def _same_quantization(matrices) -> bool:
+    """True for Int8Matrix's with one group size, or BlockMatrix's of one kind."""
+    first = matrices[0]
+    if isinstance(first, Int8Matrix):
+        return all(isinstance(m, Int8Matrix) and m.scale.shape[-2] == first.scale.shape[-2]
+                   for m in matrices)
+    return isinstance(first, BlockMatrix) and all(
+        isinstance(m, BlockMatrix) and m.kind == first.kind for m in matrices)
 
 
 def layout_setting() -> str:
@@ -238,16 +255,25 @@ def decoding_plan(model, params, rows: int | None = None) -> dict | None:
 
 
 def _kernel_runs(params, rows: int | None) -> bool:
-    """The native kernel's layout applies: one CPU device, float32 weights, the kernel built,
-    and not a one-row program unless the kernel streams groups of 8 rows (AVX-512 build:
-    whole batch-1 programs 1.1x faster than XLA's matrix-vector products on a Zen 4 host,
-    more once one row streamed each weight row whole (26-30 -> 20-21 ms/token, not re-timed
-    against XLA); the 4-row build measured 0.81-0.90x
-    of them on an AVX2 host, with the earlier one-row tiles: its streaming path is unmeasured
-    there)."""
+    """The native kernel's layout applies: one CPU device, float32 weights (or quantized ones
+    the quantized kernel takes), the kernel built, and not a one-row program of float32 weights
+    unless the kernel streams groups of 8 rows (AVX-512 build: whole batch-1 programs 1.1x
+    faster than XLA's matrix-vector products on a Zen 4 host, more once one row streamed each
+    weight row whole (26-30 -> 20-21 ms/token, not re-timed against XLA); the 4-row build
+    measured 0.81-0.90x of them on an AVX2 host, with the earlier one-row tiles: its streaming
+    path is unmeasured there). Quantized weights take it for one row too: XLA expands them to
+    float32 in memory before every product."""
     return (jax.default_backend() == "cpu" and jax.device_count() == 1
             and _all_float32(params) and few_rows.available()
-            and (rows != 1 or few_rows.group_rows() >= 8))
+            and (rows != 1 or few_rows.group_rows() >= 8 or _has_quantized(params)))
+
+
+def _has_quantized(params) -> bool:
+    """True when a layer matrix is an Int8Matrix or BlockMatrix."""
+    layers = params["layers"]
+    matrices = list(layers.values()) if isinstance(layers, Mapping) else \
+        [value for layer in layers for value in layer.values()]
+    return any(isinstance(m, (Int8Matrix, BlockMatrix)) for m in matrices)
 
 
 def _plain_per_layer(params) -> bool:

@@ -66,18 +66,19 @@ template <bool NIBBLES>
 inline void expand32(const uint8_t* row, int64_t i, v8 w[4]) {
   if constexpr (NIBBLES) {
 #ifdef __AVX2__
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m128i low = _mm_and_si128(packed, mask);                      // inputs 0..15
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // inputs 16..31
-    w[0] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    w[1] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    w[2] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    w[3] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+    const __m256i mask = _mm256_set1_epi32(15);
+    const __m256i first = _mm256_cvtepu8_epi32(  // bytes 0..7 of the block, one a lane
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + static_cast<uint64_t>(i) / 2)));
+    const __m256i second = _mm256_cvtepu8_epi32(  // bytes 8..15
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + static_cast<uint64_t>(i) / 2 + 8)));
+    w[0] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(first, mask));   // inputs 0..7
+    w[1] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(second, mask));  // inputs 8..15
+    w[2] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));     // inputs 16..23
+    w[3] = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));    // inputs 24..31
 #else
     u8x8 first, second;  // bytes 0..7 and 8..15 of the block
     std::memcpy(&first, row + i / 2, 8);
-    std::memcpy(&second, row + i / 2 + 8, 8);
+    std::memcpy(&second, row + static_cast<uint64_t>(i) / 2 + 8, 8);
     w[0] = __builtin_convertvector(__builtin_convertvector(first & 15, i32x8), v8);
     w[1] = __builtin_convertvector(__builtin_convertvector(second & 15, i32x8), v8);
     w[2] = __builtin_convertvector(__builtin_convertvector(first >> 4, i32x8), v8);
@@ -94,51 +95,105 @@ inline v8 load8(const float* p) {
   return v;
 }
 
+// 8 scales or offsets from p as float32 (float16: F16C's conversion where the CPU has it).
+inline v8 load8_of(const float* p) { return load8(p); }
+inline v8 load8_of(const _Float16* p) {
+#ifdef __F16C__
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  v8 out;
+  for (int lane = 0; lane < 8; ++lane) out[lane] = to_float(p, lane);
+  return out;
+#endif
+}
+
+// A row's `groups` scales as float32: the row itself, or widened into `out` (groups + 8 floats).
+inline const float* widen_row(const float* scales, int64_t, float*) { return scales; }
+inline const float* widen_row(const _Float16* scales, int64_t groups, float* out) {
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const v8 wide = load8_of(scales + g);
+    std::memcpy(out + g, &wide, sizeof(v8));
+  }
+  for (; g < groups; ++g) out[g] = to_float(scales, g);
+  return out;
+}
+
 // One or two input rows against weight rows [begin, end), codes multiplied as expanded.
-// xsums: ROWS x groups sums of x over each group (read only when a group has a shift).
+// xsums: ROWS x groups sums of x over each group (read only when groups are shifted).
+// Groups of 32 (GGUF blocks) keep one product chain a block and two running sums a row;
+// longer groups four chains, summed at the group's end. A row's scales are widened to float32
+// once, and its shifts sum_g (offset_g - scale_g * code_offset) * xsums_g are one dot product.
 template <int ROWS, bool NIBBLES, typename Scale>
 void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y, int64_t begin,
                 int64_t end) {
-  const Scale* scales = static_cast<const Scale*>(q.scale);
-  const Scale* offsets = static_cast<const Scale*>(q.offset);
-  const bool shifted = offsets != nullptr || q.code_offset != 0.0f;
+  const bool shifted = q.offset != nullptr || q.code_offset != 0.0f;
   const int64_t whole = q.group - q.group % 32;  // inputs of a group taken 32 at a time
+  std::vector<float> widened(q.groups + 8);  // one row's scales as float32
   for (int64_t col = begin; col < end; ++col) {
     const uint8_t* row = q.codes + col * q.row_bytes;
-    v8 acc[ROWS];
-    float shift_total[ROWS];
-    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) acc[r] = v8{}, shift_total[r] = 0.0f;
-    for (int64_t g = 0; g < q.groups; ++g) {
-      const int64_t start = g * q.group;
-      v8 part[ROWS][4];
-      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
-        _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) part[r][a] = v8{};
-      for (int64_t i = start; i < start + whole; i += 32) {
-        v8 w[4];
-        expand32<NIBBLES>(row, i, w);
+    const Scale* scales = static_cast<const Scale*>(q.scale) + col * q.groups;
+    const Scale* offsets = static_cast<const Scale*>(q.offset) + (q.offset ? col * q.groups : 0);
+    const float* row_scales = widen_row(scales, q.groups, widened.data());
+    float shift_total[ROWS] = {};
+    if (shifted) {  // sum_g (offset_g - scale_g * code_offset) * xsums_g, 8 groups at a time
+      v8 shift_sum[ROWS];
+      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) shift_sum[r] = v8{};
+      int64_t g = 0;
+      for (; g + 8 <= q.groups; g += 8) {
+        const v8 shift = (q.offset ? load8_of(offsets + g) : v8{}) - load8(row_scales + g) * q.code_offset;
         _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
-          _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
-            part[r][a] += load8(x + r * q.k + i + 8 * a) * w[a];
+          shift_sum[r] += shift * load8(xsums + r * q.groups + g);
       }
-      if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
-        for (int64_t i = start + whole; i < start + q.group; i += 8) {
-          const v8 w = expand8(row, i);
-          _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
-            part[r][0] += load8(x + r * q.k + i) * w;
+      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) {
+        shift_total[r] = sum_lanes(shift_sum[r]);
+        for (int64_t h = g; h < q.groups; ++h)
+          shift_total[r] += ((q.offset ? to_float(offsets, h) : 0.0f) - row_scales[h] * q.code_offset) *
+                            xsums[r * q.groups + h];
+      }
+    }
+    v8 acc[ROWS][2];
+    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v8{};
+    if (q.group == 32) {
+      for (int64_t g = 0; g < q.groups; g += 2) {  // two blocks: two running sums
+        _Pragma("GCC unroll 2") for (int half = 0; half < 2; ++half) {
+          if (half == 1 && g + 1 == q.groups) break;
+          v8 w[4];
+          expand32<NIBBLES>(row, 32 * (g + half), w);
+          const float* xg = x + 32 * (g + half);
+          _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) {
+            const v8 front = load8(xg + r * q.k) * w[0] + load8(xg + r * q.k + 8) * w[1];
+            const v8 back = load8(xg + r * q.k + 16) * w[2] + load8(xg + r * q.k + 24) * w[3];
+            acc[r][half] += (front + back) * row_scales[g + half];
+          }
         }
       }
-      const float scale = to_float(scales, col * q.groups + g);
-      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
-        acc[r] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * scale;
-      if (shifted) {
-        const float offset = offsets ? to_float(offsets, col * q.groups + g) : 0.0f;
-        const float shift = offset - scale * q.code_offset;
+    } else {
+      for (int64_t g = 0; g < q.groups; ++g) {
+        const int64_t start = g * q.group;
+        v8 part[ROWS][4];
         _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
-          shift_total[r] += shift * xsums[r * q.groups + g];
+          _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) part[r][a] = v8{};
+        for (int64_t i = start; i < start + whole; i += 32) {
+          v8 w[4];
+          expand32<NIBBLES>(row, i, w);
+          _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+            _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
+              part[r][a] += load8(x + r * q.k + i + 8 * a) * w[a];
+        }
+        if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
+          for (int64_t i = start + whole; i < start + q.group; i += 8) {
+            const v8 w = expand8(row, i);
+            _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+              part[r][0] += load8(x + r * q.k + i) * w;
+          }
+        }
+        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+          acc[r][0] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * row_scales[g];
       }
     }
     _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
-      y[r * q.n + col] = sum_lanes(acc[r]) + shift_total[r];
+      y[r * q.n + col] = sum_lanes(acc[r][0] + acc[r][1]) + shift_total[r];
   }
 }
 
