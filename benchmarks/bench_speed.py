@@ -68,17 +68,26 @@ def matmul_params(model) -> int:
 
 # --------------------------------------------------------------------------- systems
 def jaxgen_ms_per_token(model, params, prompts, new_tokens, repeats,
-                        layout: str = "auto") -> tuple[float, float]:
+                        layout: str = "auto", kernels: str = "auto") -> tuple[float, float]:
     """(median seconds per decode step over the whole call, first-call compile seconds), with
-    $JAXGEN_LAYER_LAYOUT = `layout` while the program is traced (compiled programs are dropped
-    first: the setting is not part of jit's own cache key)."""
+    $JAXGEN_LAYER_LAYOUT = `layout` and $JAXGEN_CPU_KERNELS = `kernels` while the program is
+    traced (compiled programs are dropped first: the settings are not part of jit's own cache
+    key)."""
     cfg = jaxgen.GenerationConfig(max_new_tokens=new_tokens, pad_token_id=0)  # no EOS
     run = lambda: jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg),  # noqa: E731
                                   cfg).sequences.block_until_ready()
     jax.clear_caches()
-    with layout_override(layout):
-        first = _timed(run)
-        times = [_timed(run) for _ in range(repeats)]
+    kernels_before = os.environ.get("JAXGEN_CPU_KERNELS")
+    os.environ["JAXGEN_CPU_KERNELS"] = kernels
+    try:
+        with layout_override(layout):
+            first = _timed(run)
+            times = [_timed(run) for _ in range(repeats)]
+    finally:
+        if kernels_before is None:
+            os.environ.pop("JAXGEN_CPU_KERNELS", None)
+        else:
+            os.environ["JAXGEN_CPU_KERNELS"] = kernels_before
     jax.clear_caches()
     return float(np.median(times)) / new_tokens, first - float(np.median(times))
 
@@ -276,7 +285,9 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--layouts", default="012345",
                         help="which jaxgen rows: 0 load() as it is, 1 stacked scan, "
-                             "2 unstacked, 3 int8, 4 int8 unstacked, 5 GGUF blocks")
+                             "2 unstacked, 3 int8, 4 int8 unstacked, 5 GGUF blocks, "
+                             "6 int8 and 7 GGUF blocks with the native kernels off (XLA "
+                             "expands the codes in memory)")
     args = parser.parse_args()
 
     model, stacked, tokenizer = load(DEFAULT_MODEL)
@@ -289,7 +300,9 @@ def main() -> None:
                "jaxgen unstack_layers": (unstacked, "auto"),
                "jaxgen int8 (split per call)": (int8, "auto"),
                "jaxgen int8 unstacked": (quantize_params(model.config, unstacked), "auto"),
-               "jaxgen GGUF Q4_1 blocks (split per call)": (blocks, "auto")}
+               "jaxgen GGUF Q4_1 blocks (split per call)": (blocks, "auto"),
+               "jaxgen int8, kernels off": (int8, "auto", "off"),
+               "jaxgen GGUF Q4_1 blocks, kernels off": (blocks, "auto", "off")}
     layouts = {name: entry for index, (name, entry) in enumerate(layouts.items())
                if str(index) in args.layouts}
     bandwidth = measure_bandwidth()
@@ -306,7 +319,7 @@ def main() -> None:
             floor = fp32_bytes / (bandwidth * 1e9) * 1e3
             print(f"\nProfile, batch {batch}, ms per decode step (median of repeats); fp32 "
                   f"bandwidth floor {floor:.2f} ms:\n")
-            for index, (name, (p, _)) in enumerate(layouts.items()):
+            for index, (name, (p, *_)) in enumerate(layouts.items()):
                 result = profile_pieces(model, p, batch)  # forward_last as given: no split
                 if index == 0:
                     print(table_header("layout", *result, numeric=True))
@@ -335,9 +348,9 @@ def main() -> None:
         rows = []
         hf_s = transformers_ms_per_token(hf, prompts, args.new_tokens, args.repeats)
         rows.append(("transformers fp32", hf_s, None))
-        for name, (p, layout) in layouts.items():
+        for name, (p, layout, *kernels) in layouts.items():
             per_token, compile_s = jaxgen_ms_per_token(model, p, prompts, args.new_tokens,
-                                                       args.repeats, layout)
+                                                       args.repeats, layout, *kernels)
             rows.append((name, per_token, compile_s))
         if gguf_q4 is not None and batch == 1:
             for name, path in (("llama.cpp F32", gguf_f32), ("llama.cpp Q4_1", gguf_q4)):
@@ -353,6 +366,17 @@ def main() -> None:
                         f"{batch / floor:.1f}", "", "1.00", ""))
         print(table_row(batch, "compute floor (fp32)", f"{compute_floor * 1e3:.1f}",
                         f"{batch / compute_floor:.1f}", "", "", ""))
+        for name, bytes_read in (("int8", step_bytes(model, int8)), ("GGUF blocks", blocks_bytes)):
+            own = bytes_read / (bandwidth * 1e9)
+            print(table_row(batch, f"bandwidth floor ({name})", f"{own * 1e3:.1f}",
+                            f"{batch / own:.1f}", "", f"{own / floor:.2f}", ""))
+        speeds = {name: per_token for name, per_token, _ in rows}
+        for quantized, peer in (("jaxgen int8 (split per call)", "jaxgen load() as it is (split per call)"),
+                                ("jaxgen GGUF Q4_1 blocks (split per call)", "llama.cpp Q4_1"),
+                                ("jaxgen GGUF Q4_1 blocks (split per call)", "jaxgen load() as it is (split per call)")):
+            if quantized in speeds and peer in speeds:
+                print(f"batch {batch}: {quantized} at {speeds[peer] / speeds[quantized]:.2f}x "
+                      f"the tokens/s of {peer}", flush=True)
 
 
 if __name__ == "__main__":
