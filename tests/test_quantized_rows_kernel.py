@@ -44,9 +44,9 @@ FORMATS = [("int8", 96, 1), ("int8-groups", 96, 12), ("int8-blocks", 96, 3), ("Q
 
 
 @pytest.mark.parametrize("kind, k, groups", FORMATS, ids=[f[0] for f in FORMATS])
-@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (9,), (2, 4), (KERNEL_MAX_ROWS,)])
+@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (5,), (9,), (2, 4), (KERNEL_MAX_ROWS,)])
 def test_product_equals_xla_with_the_expanded_weight(kind, k, groups, lead):
-    # one and two rows (the fused path), more (the expanded tiles: every 8-row group's tail)
+    # up to a row group (the fused path: 4 rows, 8 with AVX-512), more (the widened tiles)
     codes, scale, offset, code_offset = _weights(kind, (), 131, k, groups, seed=len(lead))
     x = jnp.asarray(np.random.default_rng(1).standard_normal(lead + (k,)), jnp.float32)
     got = jax.jit(quantized_product, static_argnums=(4, 5))(x, codes, scale, offset,

@@ -31,6 +31,12 @@ typedef int8_t i8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
+#ifdef __AVX512F__
+#define GROUP_ROWS_IS_8 1  // few_rows.h's GROUP_ROWS: the fused path's most rows
+#else
+#define GROUP_ROWS_IS_8 0
+#endif
+
 constexpr int64_t BUFFER_FLOATS = 16384;  // floats of expanded weight rows per tile (64 KB)
 
 template <typename Scale>
@@ -150,19 +156,29 @@ template <int ROWS, bool NIBBLES>
 void wide_dots(const Quantized& q, const uint8_t* row, const float* x, const float* row_scales,
                float* totals) {
   v16 acc[ROWS][2];
-  _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v16{};
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v16{};
   for (int64_t g = 0; g < q.groups; g += 2) {  // two blocks: two running sums
     _Pragma("GCC unroll 2") for (int half = 0; half < 2; ++half) {
       if (half == 1 && g + 1 == q.groups) break;
       v16 w[2];
       expand32_wide<NIBBLES>(row, 32 * (g + half), w);
       const float* xg = x + 32 * (g + half);
-      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
-        acc[r][half] += (load16(xg + r * q.k) * w[0] + load16(xg + r * q.k + 16) * w[1]) *
-                        row_scales[g + half];
+      if constexpr (ROWS <= 2) {  // scale each row's block product
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+          acc[r][half] += (load16(xg + r * q.k) * w[0] + load16(xg + r * q.k + 16) * w[1]) *
+                          row_scales[g + half];
+      } else {  // more rows: scale the block's weights once
+        const float scale = row_scales[g + half];
+        w[0] *= scale;
+        w[1] *= scale;
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
+          acc[r][half] += load16(xg + r * q.k) * w[0];
+          acc[r][half] += load16(xg + r * q.k + 16) * w[1];
+        }
+      }
     }
   }
-  _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
     totals[r] = _mm512_reduce_add_ps((__m512)(acc[r][0] + acc[r][1]));
 }
 #endif
@@ -186,14 +202,14 @@ void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y
     float shift_total[ROWS] = {};
     if (shifted) {  // sum_g (offset_g - scale_g * code_offset) * xsums_g, 8 groups at a time
       v8 shift_sum[ROWS];
-      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) shift_sum[r] = v8{};
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) shift_sum[r] = v8{};
       int64_t g = 0;
       for (; g + 8 <= q.groups; g += 8) {
         const v8 shift = (q.offset ? load8_of(offsets + g) : v8{}) - load8(row_scales + g) * q.code_offset;
-        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
           shift_sum[r] += shift * load8(xsums + r * q.groups + g);
       }
-      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) {
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
         shift_total[r] = sum_lanes(shift_sum[r]);
         for (int64_t h = g; h < q.groups; ++h)
           shift_total[r] += ((q.offset ? to_float(offsets, h) : 0.0f) - row_scales[h] * q.code_offset) *
@@ -204,13 +220,13 @@ void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y
     if (q.group == 32) {
       float totals[ROWS];
       wide_dots<ROWS, NIBBLES>(q, row, x, row_scales, totals);
-      _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
         y[r * q.n + col] = totals[r] + shift_total[r];
       continue;
     }
 #endif
     v8 acc[ROWS][2];
-    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v8{};
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v8{};
     if (q.group == 32) {
       for (int64_t g = 0; g < q.groups; g += 2) {  // two blocks: two running sums
         _Pragma("GCC unroll 2") for (int half = 0; half < 2; ++half) {
@@ -218,38 +234,46 @@ void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y
           v8 w[4];
           expand32<NIBBLES>(row, 32 * (g + half), w);
           const float* xg = x + 32 * (g + half);
-          _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r) {
-            const v8 front = load8(xg + r * q.k) * w[0] + load8(xg + r * q.k + 8) * w[1];
-            const v8 back = load8(xg + r * q.k + 16) * w[2] + load8(xg + r * q.k + 24) * w[3];
-            acc[r][half] += (front + back) * row_scales[g + half];
+          if constexpr (ROWS <= 2) {  // scale each row's block product
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
+              const v8 front = load8(xg + r * q.k) * w[0] + load8(xg + r * q.k + 8) * w[1];
+              const v8 back = load8(xg + r * q.k + 16) * w[2] + load8(xg + r * q.k + 24) * w[3];
+              acc[r][half] += (front + back) * row_scales[g + half];
+            }
+          } else {  // more rows: scale the block's weights once
+            _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) w[a] *= row_scales[g + half];
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+              _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
+                acc[r][half] += load8(xg + r * q.k + 8 * a) * w[a];
           }
         }
       }
     } else {
       for (int64_t g = 0; g < q.groups; ++g) {
         const int64_t start = g * q.group;
+        constexpr int CHAINS = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;  // product chains a row
         v8 part[ROWS][4];
-        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
           _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) part[r][a] = v8{};
         for (int64_t i = start; i < start + whole; i += 32) {
           v8 w[4];
           expand32<NIBBLES>(row, i, w);
-          _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+          _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
             _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
-              part[r][a] += load8(x + r * q.k + i + 8 * a) * w[a];
+              part[r][a % CHAINS] += load8(x + r * q.k + i + 8 * a) * w[a];
         }
         if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
           for (int64_t i = start + whole; i < start + q.group; i += 8) {
             const v8 w = expand8(row, i);
-            _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
               part[r][0] += load8(x + r * q.k + i) * w;
           }
         }
-        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
           acc[r][0] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * row_scales[g];
       }
     }
-    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS; ++r)
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
       y[r * q.n + col] = sum_lanes(acc[r][0] + acc[r][1]) + shift_total[r];
   }
 }
@@ -286,8 +310,19 @@ void expand_row(const Quantized& q, int64_t col, float* out) {
 template <bool NIBBLES, typename Scale>
 void quantized_block(const Quantized& q, const float* x, int64_t m, const float* xsums, float* y,
                      int64_t begin, int64_t end) {
-  if (m == 1) return fused_rows<1, NIBBLES, Scale>(q, x, xsums, y, begin, end);
-  if (m == 2) return fused_rows<2, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+  switch (m) {  // up to GROUP_ROWS rows: codes multiplied as they are widened
+    case 1: return fused_rows<1, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+    case 2: return fused_rows<2, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+    case 3: return fused_rows<3, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+    case 4: return fused_rows<4, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+#if GROUP_ROWS_IS_8
+    case 5: return fused_rows<5, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+    case 6: return fused_rows<6, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+    case 7: return fused_rows<7, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+    case 8: return fused_rows<8, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+#endif
+    default: break;
+  }
   const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(16, BUFFER_FLOATS / q.k));
   std::vector<float> expanded(tile_rows * q.k);  // [tile_rows, K]
   for (int64_t col = begin; col < end; col += tile_rows) {
@@ -299,8 +334,8 @@ void quantized_block(const Quantized& q, const float* x, int64_t m, const float*
 
 template <bool NIBBLES, typename Scale>
 void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, float* y) {
-  std::vector<float> xsums;  // [m, groups], for the one- and two-row path's shifts
-  if (m <= 2 && (q.offset != nullptr || q.code_offset != 0.0f)) {
+  std::vector<float> xsums;  // [m, groups], for the fused path's shifts
+  if (m <= GROUP_ROWS && (q.offset != nullptr || q.code_offset != 0.0f)) {
     xsums.assign(m * q.groups, 0.0f);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < q.groups; ++g)
