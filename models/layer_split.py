@@ -264,16 +264,21 @@ def _kernel_runs(params, rows: int | None) -> bool:
     path is unmeasured there). Quantized weights take it for one row too: XLA expands them to
     float32 in memory before every product."""
     return (jax.default_backend() == "cpu" and jax.device_count() == 1
-            and _all_float32(params) and few_rows.available()
+            and _kernel_weights(params) and few_rows.available()
             and (rows != 1 or few_rows.group_rows() >= 8 or _has_quantized(params)))
 
 
 def _has_quantized(params) -> bool:
     """True when a layer matrix is an Int8Matrix or BlockMatrix."""
+    return any(isinstance(m, (Int8Matrix, BlockMatrix)) for m in _layer_values(params))
+
+
+def _layer_values(params) -> list:
+    """Every value of params["layers"], stacked (a dict) or per layer (a list of dicts)."""
     layers = params["layers"]
-    matrices = list(layers.values()) if isinstance(layers, Mapping) else \
-        [value for layer in layers for value in layer.values()]
-    return any(isinstance(m, (Int8Matrix, BlockMatrix)) for m in matrices)
+    if isinstance(layers, Mapping):
+        return list(layers.values())
+    return [value for layer in layers for value in layer.values()]
 
 
 def _plain_per_layer(params) -> bool:
@@ -290,12 +295,10 @@ def _plain_per_layer(params) -> bool:
                     for layer in layers))
 
 
-def _all_float32(params) -> bool:
+def _kernel_weights(params) -> bool:
     """True when every layer matrix and the embedding are float32 (the kernel's dtype) or
     quantized matrices the quantized kernel takes (load(weights="int8" / "gguf"))."""
-    layers = params["layers"]
-    matrices = list(layers.values()) if isinstance(layers, Mapping) else \
-        [value for layer in layers for value in layer.values()]
+    matrices = _layer_values(params)
     if any(isinstance(m, (Int8Matrix, BlockMatrix)) and not kernel_takes(m) for m in matrices):
         return False
     floats = [m for m in matrices if not isinstance(m, (Int8Matrix, BlockMatrix))]

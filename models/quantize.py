@@ -49,6 +49,25 @@ def check_weights(weights: str) -> str:
     return weights
 
 
+def check_group(weights: str, group) -> None:
+    """A ValueError naming `group` unless it is None or a positive int with weights="int8".
+
+    Example:
+        >>> check_group("int8", 32); check_group("float", None)
+        >>> check_group("gguf", 32)
+        Traceback (most recent call last):
+        ...
+        ValueError: group=32 applies to weights='int8' only (got weights='gguf')
+    """
+    if group is None:
+        return
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group={group!r} must be a positive int (inputs per int8 scale) "
+                         f"or None (one scale per output channel)")
+    if weights != "int8":
+        raise ValueError(f"group={group} applies to weights='int8' only (got weights={weights!r})")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int8Matrix:

@@ -54,10 +54,8 @@ class QuantizedKernelMatrix:
     @classmethod
     def of(cls, matrix: Int8Matrix | BlockMatrix) -> "QuantizedKernelMatrix":
         """Transpose an Int8Matrix or BlockMatrix [(L,) K, N] once into the kernel's layout."""
-        if isinstance(matrix, Int8Matrix):
-            code_offset, offset = 0, None
-        else:
-            code_offset, offset = _CODE_OFFSETS[matrix.kind], matrix.offset
+        kind = getattr(matrix, "kind", None)  # a BlockMatrix's GGUF type; Int8Matrix: none
+        code_offset, offset = (0, None) if kind is None else (_CODE_OFFSETS[kind], matrix.offset)
         swap = lambda a: None if a is None else jnp.swapaxes(a, -1, -2)  # noqa: E731
         return cls(swap(matrix.codes), swap(matrix.scale), swap(offset), code_offset)
 

@@ -35,7 +35,7 @@ from .gguf_checkpoint import field, gguf_model, open_gguf
 from .gguf_tokenizer import gguf_tokenizer
 from .hf_checkpoint import load_hf_checkpoint
 from .llama import Llama
-from .quantize import check_weights, quantized_params
+from .quantize import check_group, check_weights, quantized_params
 from .mtp_drafter import MtpDrafterModel
 from .mtp_drafter_io import is_mtp_drafter_folder, load_mtp_drafter
 from .shipped_drafters import (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME,
@@ -110,7 +110,8 @@ def _load_embedded(name: str, dtype_name: str, cache_dir: str | None = None):
 
 
 def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
-         weights: str = "float") -> tuple[Llama | MtpDrafterModel, dict, Tokenizer | None]:
+         weights: str = "float", group: int | None = None
+         ) -> tuple[Llama | MtpDrafterModel, dict, Tokenizer | None]:
     """(model, params, tokenizer) for a known name, a HF checkpoint folder, or a .gguf file;
     (drafter, params, None) for an MTP drafter folder (config.json's model_type).
 
@@ -119,12 +120,15 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     converted there between processes (jaxgen.models.gguf_cache); None: read the file.
     weights: "float" (dtype), "int8" (weight-only int8 matrices, models/quantize.py) or
     "gguf" (a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks kept as integers, models/gguf_blocks.py).
+    group: int8 scales per `group` consecutive inputs of each output channel (it must divide
+    every matrix's input size; None: one scale per output channel); only with weights="int8".
     """
+    check_group(weights, group)
     if check_weights(weights) == "gguf":
         return _load_gguf_blocks(name_or_path, dtype, cache_dir)
     if weights != "float":
         model, params, tokenizer = load(name_or_path, dtype, cache_dir=cache_dir)
-        return model, quantized_params(model, params, weights), tokenizer
+        return model, quantized_params(model, params, weights, group), tokenizer
     name = os.fspath(name_or_path)
     if name.lower() == DRAFT_NAME:
         return load_shipped_draft(dtype)

@@ -89,6 +89,27 @@ def test_load_int8_from_a_checkpoint_folder(tmp_path):
     np.testing.assert_allclose(got, ref, atol=0.05 * float(jnp.max(jnp.abs(ref))) + 1e-3)
 
 
+def test_load_int8_with_per_group_scales_and_bad_groups_named_before_loading(tmp_path):
+    from model_fixtures import make_hf_model, save_hf_model
+
+    folder = save_hf_model(make_hf_model(), str(tmp_path))
+    model, params, _ = load(folder)
+    _, grouped, _ = load(folder, weights="int8", group=8)
+    wq = grouped["layers"]["wq"]  # [L, K, N] codes, [L, K / 8, N] scales
+    assert wq.scale.shape[-2] == wq.codes.shape[-2] // 8
+    per_channel = load(folder, weights="int8")[1]["layers"]["wq"]
+    dense = params["layers"]["wq"]
+    assert float(jnp.abs(wq.dequantize() - dense).mean()) < float(
+        jnp.abs(per_channel.dequantize() - dense).mean())  # finer scales, closer weights
+    for bad in (0, -8, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=r"group=.*must be a positive int"):
+            load("no-such-model-anywhere", weights="int8", group=bad)
+    with pytest.raises(ValueError, match=r"group=8 applies to weights='int8' only"):
+        load("no-such-model-anywhere", weights="gguf", group=8)
+    with pytest.raises(ValueError, match=r"group=7 must divide the matrix's input size"):
+        load(folder, weights="int8", group=7)
+
+
 @pytest.mark.slow
 def test_int8_smollm2_heldout_prompts_greedy_by_the_near_tie_rule():
     """60 held-out chat prompts x 32 greedy tokens: int8 agrees with fp32 (equal, or first

@@ -19,7 +19,7 @@ Example:
     >>> x = jnp.ones((1, 8))                                        # [M, K]
     >>> want = x @ expand(codes, scale).T
     >>> want.tolist()
-    [[-7.0, 36.0]]
+    [[-18.0, 56.0]]
     >>> if quantized_target() is not None:                          # built on this machine
     ...     assert bool((quantized_product(x, codes, scale) == want).all())
 """
