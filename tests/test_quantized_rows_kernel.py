@@ -169,8 +169,9 @@ def _params(tmp_path, source):
 
 
 @pytest.mark.parametrize("source, batch, settings", [
-    ("int8", 1, {}), ("int8-groups", 3, {}), ("Q4_0", 2, {}), ("Q4_1", 1, {}),
-    ("Q8_0", 8, {}), ("Q4_1", 1, {"num_beams": 3}), ("int8", 2, {"prompt_lookup_num_tokens": 2}),
+    ("int8", 1, {}), ("int8-groups", 3, {}), ("Q4_0", 2, {}), ("Q8_0", 8, {}),
+    ("Q4_1", 1, {"num_beams": 3}),
+    pytest.param("int8", 2, {"prompt_lookup_num_tokens": 2}, marks=pytest.mark.slow),
 ])
 def test_generate_on_quantized_weights_with_the_kernel_gives_xla_s_tokens(
         monkeypatch, tmp_path, source, batch, settings):

@@ -52,6 +52,7 @@ struct Quantized {
   const void* offset;    // [N, groups], or nullptr
   int64_t row_bytes, groups, group, k, n;
   float code_offset;
+  bool half;  // scales and offsets are float16 (else float32)
 };
 
 inline v8 expand8(const uint8_t* row, int64_t i) {  // 8 int8 codes -> 8 floats
@@ -101,9 +102,8 @@ inline v8 load8(const float* p) {
   return v;
 }
 
-// 8 scales or offsets from p as float32 (float16: F16C's conversion where the CPU has it).
-inline v8 load8_of(const float* p) { return load8(p); }
-inline v8 load8_of(const _Float16* p) {
+// 8 float16 values from p as float32 (F16C's conversion where the CPU has it).
+inline v8 load8_half(const _Float16* p) {
 #ifdef __F16C__
   return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
@@ -113,30 +113,26 @@ inline v8 load8_of(const _Float16* p) {
 #endif
 }
 
-// A row's `groups` scales as float32: the row itself, or widened into `out` (groups + 8 floats).
-inline const float* widen_row(const float* scales, int64_t, float*) { return scales; }
-inline const float* widen_row(const _Float16* scales, int64_t groups, float* out) {
+// Weight row col's `groups` scales (values = q.scale) or offsets (q.offset) as float32: the
+// row itself, or widened from float16 into `out` (groups + 8 floats).
+inline const float* row_values(const Quantized& q, const void* values, int64_t col, float* out) {
+  if (!q.half) return static_cast<const float*>(values) + col * q.groups;
+  const _Float16* row = static_cast<const _Float16*>(values) + col * q.groups;
   int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    const v8 wide = load8_of(scales + g);
+  for (; g + 8 <= q.groups; g += 8) {
+    const v8 wide = load8_half(row + g);
     std::memcpy(out + g, &wide, sizeof(v8));
   }
-  for (; g < groups; ++g) out[g] = to_float(scales, g);
+  for (; g < q.groups; ++g) out[g] = to_float(row, g);
   return out;
 }
 
 #ifdef __AVX512F__
 typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v16));
-  return v;
-}
-
 // 32 codes from input i of a row -> 2 x 16 floats (inputs i .. i + 15, i + 16 .. i + 31).
 template <bool NIBBLES>
-inline void expand32_wide(const uint8_t* row, int64_t i, v16 w[2]) {
+inline void expand32(const uint8_t* row, int64_t i, v16 w[2]) {
   if constexpr (NIBBLES) {  // the block's 16 bytes, one a lane: low nibbles, then high ones
     const __m512i bytes = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + static_cast<uint64_t>(i) / 2)));
@@ -149,146 +145,149 @@ inline void expand32_wide(const uint8_t* row, int64_t i, v16 w[2]) {
   }
 }
 
-// fused_rows' products for groups of 32 inputs (GGUF blocks), 16 lanes at a time (AVX-512:
-// half the instructions of the 8-lane loop, which the expansion makes the bottleneck; longer
-// groups measured no faster this way).
-template <int ROWS, bool NIBBLES>
-void wide_dots(const Quantized& q, const uint8_t* row, const float* x, const float* row_scales,
-               float* totals) {
-  v16 acc[ROWS][2];
-  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v16{};
-  for (int64_t g = 0; g < q.groups; g += 2) {  // two blocks: two running sums
+using BlockVector = v16;  // 16 lanes: half the instructions, which the widening makes the bound
+#else
+using BlockVector = v8;
+#endif
+
+template <typename V>
+inline V load_lanes(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// fused_rows' products for groups of 32 inputs (GGUF blocks), in vectors V (8 or 16 lanes):
+// totals[r] = sum_g scale_g * (x_g . code_g) for the ROWS input rows. One or two rows: each
+// block's product in two chains, times its scale, into one of two running sums; more rows:
+// the block's weights scaled once and multiplied into every row's sums.
+template <int ROWS, bool NIBBLES, typename V>
+void block_dots(const Quantized& q, const uint8_t* row, const float* x, const float* row_scales,
+                float* totals) {
+  constexpr int LANES = sizeof(V) / sizeof(float), PARTS = 32 / LANES;
+  V acc[ROWS][2];
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = V{};
+  for (int64_t g = 0; g < q.groups; g += 2) {  // two blocks a turn: two running sums
     _Pragma("GCC unroll 2") for (int half = 0; half < 2; ++half) {
       if (half == 1 && g + 1 == q.groups) break;
-      v16 w[2];
-      expand32_wide<NIBBLES>(row, 32 * (g + half), w);
+      V w[PARTS];
+      expand32<NIBBLES>(row, 32 * (g + half), w);
       const float* xg = x + 32 * (g + half);
-      if constexpr (ROWS <= 2) {  // scale each row's block product
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-          acc[r][half] += (load16(xg + r * q.k) * w[0] + load16(xg + r * q.k + 16) * w[1]) *
-                          row_scales[g + half];
-      } else {  // more rows: scale the block's weights once
-        const float scale = row_scales[g + half];
-        w[0] *= scale;
-        w[1] *= scale;
+      if constexpr (ROWS <= 2) {
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
-          acc[r][half] += load16(xg + r * q.k) * w[0];
-          acc[r][half] += load16(xg + r * q.k + 16) * w[1];
+          const float* xr = xg + r * q.k;
+          V product = load_lanes<V>(xr) * w[0];  // 16 lanes: one chain of two
+          if constexpr (PARTS == 2) {
+            product += load_lanes<V>(xr + LANES) * w[1];
+          } else {  // 8 lanes: two chains of two
+            V back = load_lanes<V>(xr + LANES * (PARTS / 2)) * w[PARTS / 2];
+            _Pragma("GCC unroll 2") for (int p = 1; p < PARTS / 2; ++p) {
+              product += load_lanes<V>(xr + LANES * p) * w[p];
+              back += load_lanes<V>(xr + LANES * (PARTS / 2 + p)) * w[PARTS / 2 + p];
+            }
+            product += back;
+          }
+          acc[r][half] += product * row_scales[g + half];
         }
+      } else {
+        _Pragma("GCC unroll 4") for (int p = 0; p < PARTS; ++p) w[p] *= row_scales[g + half];
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+          _Pragma("GCC unroll 4") for (int p = 0; p < PARTS; ++p)
+            acc[r][half] += load_lanes<V>(xg + r * q.k + LANES * p) * w[p];
       }
     }
   }
-  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-    totals[r] = _mm512_reduce_add_ps((__m512)(acc[r][0] + acc[r][1]));
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
+    const V sum = acc[r][0] + acc[r][1];
+    float total = 0.0f;
+    for (int lane = 0; lane < LANES; ++lane) total += sum[lane];
+    totals[r] = total;
+  }
 }
-#endif
 
-// One or two input rows against weight rows [begin, end), codes multiplied as expanded.
-// xsums: ROWS x groups sums of x over each group (read only when groups are shifted).
-// Groups of 32 (GGUF blocks) keep one product chain a block and two running sums a row;
-// longer groups four chains, summed at the group's end. A row's scales are widened to float32
-// once, and its shifts sum_g (offset_g - scale_g * code_offset) * xsums_g are one dot product.
-template <int ROWS, bool NIBBLES, typename Scale>
+// Up to a row group of input rows against weight rows [begin, end), codes multiplied as they
+// are widened. xsums: ROWS x groups sums of x over each group (read when groups are shifted).
+// Groups of 32 (GGUF blocks) run block_dots; longer groups keep product chains summed at the
+// group's end. A row's scales are widened to float32 once, and its shifts
+// sum_g (offset_g - scale_g * code_offset) * xsums_g are one dot product.
+template <int ROWS, bool NIBBLES>
 void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y, int64_t begin,
                 int64_t end) {
   const bool shifted = q.offset != nullptr || q.code_offset != 0.0f;
   const int64_t whole = q.group - q.group % 32;  // inputs of a group taken 32 at a time
-  std::vector<float> widened(q.groups + 8);  // one row's scales as float32
+  std::vector<float> widened(2 * (q.groups + 8));  // one row's scales and offsets as float32
   for (int64_t col = begin; col < end; ++col) {
     const uint8_t* row = q.codes + col * q.row_bytes;
-    const Scale* scales = static_cast<const Scale*>(q.scale) + col * q.groups;
-    const Scale* offsets = static_cast<const Scale*>(q.offset) + (q.offset ? col * q.groups : 0);
-    const float* row_scales = widen_row(scales, q.groups, widened.data());
+    const float* row_scales = row_values(q, q.scale, col, widened.data());
+    const float* row_offsets =
+        q.offset ? row_values(q, q.offset, col, widened.data() + q.groups + 8) : nullptr;
     float shift_total[ROWS] = {};
     if (shifted) {  // sum_g (offset_g - scale_g * code_offset) * xsums_g, 8 groups at a time
       v8 shift_sum[ROWS];
       _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) shift_sum[r] = v8{};
       int64_t g = 0;
       for (; g + 8 <= q.groups; g += 8) {
-        const v8 shift = (q.offset ? load8_of(offsets + g) : v8{}) - load8(row_scales + g) * q.code_offset;
+        const v8 shift = (row_offsets ? load8(row_offsets + g) : v8{}) -
+                         load8(row_scales + g) * q.code_offset;
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
           shift_sum[r] += shift * load8(xsums + r * q.groups + g);
       }
       _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
         shift_total[r] = sum_lanes(shift_sum[r]);
         for (int64_t h = g; h < q.groups; ++h)
-          shift_total[r] += ((q.offset ? to_float(offsets, h) : 0.0f) - row_scales[h] * q.code_offset) *
-                            xsums[r * q.groups + h];
+          shift_total[r] += ((row_offsets ? row_offsets[h] : 0.0f) -
+                             row_scales[h] * q.code_offset) * xsums[r * q.groups + h];
       }
     }
-#ifdef __AVX512F__
     if (q.group == 32) {
       float totals[ROWS];
-      wide_dots<ROWS, NIBBLES>(q, row, x, row_scales, totals);
+      block_dots<ROWS, NIBBLES, BlockVector>(q, row, x, row_scales, totals);
       _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
         y[r * q.n + col] = totals[r] + shift_total[r];
       continue;
     }
-#endif
-    v8 acc[ROWS][2];
-    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v8{};
-    if (q.group == 32) {
-      for (int64_t g = 0; g < q.groups; g += 2) {  // two blocks: two running sums
-        _Pragma("GCC unroll 2") for (int half = 0; half < 2; ++half) {
-          if (half == 1 && g + 1 == q.groups) break;
-          v8 w[4];
-          expand32<NIBBLES>(row, 32 * (g + half), w);
-          const float* xg = x + 32 * (g + half);
-          if constexpr (ROWS <= 2) {  // scale each row's block product
-            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
-              const v8 front = load8(xg + r * q.k) * w[0] + load8(xg + r * q.k + 8) * w[1];
-              const v8 back = load8(xg + r * q.k + 16) * w[2] + load8(xg + r * q.k + 24) * w[3];
-              acc[r][half] += (front + back) * row_scales[g + half];
-            }
-          } else {  // more rows: scale the block's weights once
-            _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) w[a] *= row_scales[g + half];
-            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-              _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
-                acc[r][half] += load8(xg + r * q.k + 8 * a) * w[a];
-          }
-        }
-      }
-    } else {
-      for (int64_t g = 0; g < q.groups; ++g) {
-        const int64_t start = g * q.group;
-        constexpr int CHAINS = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;  // product chains a row
-        v8 part[ROWS][4];
+    v8 acc[ROWS];  // longer groups: 4 / 2 / 1 product chains a row, summed at the group's end
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r] = v8{};
+    for (int64_t g = 0; g < q.groups; ++g) {
+      const int64_t start = g * q.group;
+      constexpr int CHAINS = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;
+      v8 part[ROWS][4];
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+        _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) part[r][a] = v8{};
+      for (int64_t i = start; i < start + whole; i += 32) {
+        v8 w[4];
+        expand32<NIBBLES>(row, i, w);
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-          _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) part[r][a] = v8{};
-        for (int64_t i = start; i < start + whole; i += 32) {
-          v8 w[4];
-          expand32<NIBBLES>(row, i, w);
+          _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
+            part[r][a % CHAINS] += load8(x + r * q.k + i + 8 * a) * w[a];
+      }
+      if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
+        for (int64_t i = start + whole; i < start + q.group; i += 8) {
+          const v8 w = expand8(row, i);
           _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-            _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
-              part[r][a % CHAINS] += load8(x + r * q.k + i + 8 * a) * w[a];
+            part[r][0] += load8(x + r * q.k + i) * w;
         }
-        if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
-          for (int64_t i = start + whole; i < start + q.group; i += 8) {
-            const v8 w = expand8(row, i);
-            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-              part[r][0] += load8(x + r * q.k + i) * w;
-          }
-        }
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-          acc[r][0] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * row_scales[g];
       }
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+        acc[r] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * row_scales[g];
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-      y[r * q.n + col] = sum_lanes(acc[r][0] + acc[r][1]) + shift_total[r];
+      y[r * q.n + col] = sum_lanes(acc[r]) + shift_total[r];
   }
 }
 
 // Weight row col expanded to K floats: scale * (code - code_offset) + offset.
-template <bool NIBBLES, typename Scale>
-void expand_row(const Quantized& q, int64_t col, float* out) {
+// widened: 2 * (groups + 8) floats of scratch.
+template <bool NIBBLES>
+void expand_row(const Quantized& q, int64_t col, float* out, float* widened) {
   const uint8_t* row = q.codes + col * q.row_bytes;
-  const Scale* scales = static_cast<const Scale*>(q.scale);
-  const Scale* offsets = static_cast<const Scale*>(q.offset);
+  const float* scales = row_values(q, q.scale, col, widened);
+  const float* offsets = q.offset ? row_values(q, q.offset, col, widened + q.groups + 8) : nullptr;
   const int64_t whole = q.group - q.group % 32;
   for (int64_t g = 0; g < q.groups; ++g) {
     const int64_t start = g * q.group;
-    const float scale = to_float(scales, col * q.groups + g);
-    const float offset = offsets ? to_float(offsets, col * q.groups + g) : 0.0f;
+    const float scale = scales[g];
+    const float offset = offsets ? offsets[g] : 0.0f;
     for (int64_t i = start; i < start + whole; i += 32) {
       v8 w[4];
       expand32<NIBBLES>(row, i, w);
@@ -307,32 +306,34 @@ void expand_row(const Quantized& q, int64_t col, float* out) {
 }
 
 // Rows [0, m) of x against weight rows [begin, end).
-template <bool NIBBLES, typename Scale>
+template <bool NIBBLES>
 void quantized_block(const Quantized& q, const float* x, int64_t m, const float* xsums, float* y,
                      int64_t begin, int64_t end) {
   switch (m) {  // up to GROUP_ROWS rows: codes multiplied as they are widened
-    case 1: return fused_rows<1, NIBBLES, Scale>(q, x, xsums, y, begin, end);
-    case 2: return fused_rows<2, NIBBLES, Scale>(q, x, xsums, y, begin, end);
-    case 3: return fused_rows<3, NIBBLES, Scale>(q, x, xsums, y, begin, end);
-    case 4: return fused_rows<4, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+    case 1: return fused_rows<1, NIBBLES>(q, x, xsums, y, begin, end);
+    case 2: return fused_rows<2, NIBBLES>(q, x, xsums, y, begin, end);
+    case 3: return fused_rows<3, NIBBLES>(q, x, xsums, y, begin, end);
+    case 4: return fused_rows<4, NIBBLES>(q, x, xsums, y, begin, end);
 #if GROUP_ROWS_IS_8
-    case 5: return fused_rows<5, NIBBLES, Scale>(q, x, xsums, y, begin, end);
-    case 6: return fused_rows<6, NIBBLES, Scale>(q, x, xsums, y, begin, end);
-    case 7: return fused_rows<7, NIBBLES, Scale>(q, x, xsums, y, begin, end);
-    case 8: return fused_rows<8, NIBBLES, Scale>(q, x, xsums, y, begin, end);
+    case 5: return fused_rows<5, NIBBLES>(q, x, xsums, y, begin, end);
+    case 6: return fused_rows<6, NIBBLES>(q, x, xsums, y, begin, end);
+    case 7: return fused_rows<7, NIBBLES>(q, x, xsums, y, begin, end);
+    case 8: return fused_rows<8, NIBBLES>(q, x, xsums, y, begin, end);
 #endif
     default: break;
   }
   const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(16, BUFFER_FLOATS / q.k));
   std::vector<float> expanded(tile_rows * q.k);  // [tile_rows, K]
+  std::vector<float> widened(2 * (q.groups + 8));  // a row's scales and offsets
   for (int64_t col = begin; col < end; col += tile_rows) {
     const int64_t count = std::min(tile_rows, end - col);
-    for (int64_t c = 0; c < count; ++c) expand_row<NIBBLES, Scale>(q, col + c, &expanded[c * q.k]);
+    for (int64_t c = 0; c < count; ++c)
+      expand_row<NIBBLES>(q, col + c, &expanded[c * q.k], widened.data());
     block(x, m, q.k, expanded.data(), y + col, q.n, 0, count);
   }
 }
 
-template <bool NIBBLES, typename Scale>
+template <bool NIBBLES>
 void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, float* y) {
   std::vector<float> xsums;  // [m, groups], for the fused path's shifts
   if (m <= GROUP_ROWS && (q.offset != nullptr || q.code_offset != 0.0f)) {
@@ -343,7 +344,7 @@ void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, f
   }
   const float* sums = xsums.data();
   run_blocks(pool, q.n, [&q, x, m, sums, y](int64_t begin, int64_t end) {
-    quantized_block<NIBBLES, Scale>(q, x, m, sums, y, begin, end);
+    quantized_block<NIBBLES>(q, x, m, sums, y, begin, end);
   });
 }
 
@@ -387,6 +388,7 @@ ffi::Error QuantizedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                               layer * q.n * q.groups * scale_bytes
                         : nullptr;
   q.code_offset = static_cast<float>(code_offset);
+  q.half = scale_bytes == 2;
   const float* xs = x.typed_data();
   float* ys = y->typed_data();
   if (q.k == 0) {
@@ -395,12 +397,7 @@ ffi::Error QuantizedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   const int64_t m = static_cast<int64_t>(x.element_count()) / q.k;
   if (m == 0 || q.n == 0) return ffi::Error::Success();
-  if (scale_bytes == 4) {
-    if (nibbles) run<true, float>(pool, q, xs, m, ys); else run<false, float>(pool, q, xs, m, ys);
-  } else {
-    if (nibbles) run<true, _Float16>(pool, q, xs, m, ys);
-    else run<false, _Float16>(pool, q, xs, m, ys);
-  }
+  if (nibbles) run<true>(pool, q, xs, m, ys); else run<false>(pool, q, xs, m, ys);
   return ffi::Error::Success();
 }
 
