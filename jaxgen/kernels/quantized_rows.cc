@@ -5,17 +5,18 @@
 // XLA:CPU converts a quantized matrix to float32 in memory before its product (so int8 weights
 // read more bytes than float ones); here the codes are read once and expanded in registers.
 //
-// One or two input rows multiply the codes as they are expanded, one linear stream per weight
-// row: sum_g scale_g * (x_g . code_g) + (offset_g - scale_g * code_offset) * sum(x_g), where
-// the sums of x over each group are taken once per call. More rows expand a few weight rows
-// at a time into a float buffer that stays in cache and run the float tiles of few_rows.h on it.
+// Up to a row group of input rows (4, or 8 with AVX-512) multiply the codes as they are
+// expanded, one linear stream per weight row: sum_g scale_g * (x_g . code_g) + (offset_g -
+// scale_g * code_offset) * sum(x_g), where the sums of x over each group are taken once per
+// call. More rows expand a few weight rows at a time into a float buffer that stays in cache
+// and run the float tiles of few_rows.h on it.
 //
 // Layout of row n: codes[n] = K int8 codes, or K / 2 bytes in which byte j of each 32-input
 // block holds input j in its low nibble and input j + 16 in its high one (GGUF's packing);
 // scale[n] and offset[n] = K / group float32 or float16 values.
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
