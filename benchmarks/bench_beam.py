@@ -19,12 +19,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from report_table import table_header, table_row
 
 import jaxgen
 from jaxgen.models import DEFAULT_MODEL, load
 from jaxgen.models.hf_export import hf_from_jaxgen
-
-from report_table import table_header, table_row
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders "
         "met farmers and fishermen every season to exchange goods and stories. ")

@@ -6,12 +6,12 @@ Model: a random Llama with 8 layers, 8 query heads and 8 KV heads of head_dim 64
 per token and layer, 32 KiB/token in fp32) then dominates the bytes read per step, which is
 what the cache kinds change.
 
-Each step runs what `jaxgen.generate` runs on CPU: per-layer weights (models/layer_split.py)
-and the cache split per layer (jaxgen.cache.layer_split). The cache is filled with random K/V
+Each step runs what `jaxgen.generate` runs on CPU: per-layer weights (jaxgen/backends/cpu/layer_split.py)
+and the cache split per layer (jaxgen.backends.cpu.cache_split). The cache is filled with random K/V
 up to the context (through each kind's own `update`, so
 int8 codes and ring slots are real), then `--steps` greedy decode steps run in one jitted
 `fori_loop` (timed after a warm-up call). Fixed-size kinds are allocated for context + 2 *
-steps; "dynamic" holds the power-of-two bucket jaxgen.growing would have grown to;
+steps; "dynamic" holds the power-of-two bucket jaxgen.drivers.growing would have grown to;
 "sliding_window" uses a 4096-token window (the model gets sliding_window=4096 for that row
 only) plus 64 slots of rollback slack; "offloaded" is a no-op on CPU (host memory is the
 device memory), so it measures the same program as "static".
@@ -30,13 +30,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-
-from jaxgen.cache.layer_split import split_cache, stack_cache
-from jaxgen.models import Llama, LlamaConfig
-from jaxgen.models.layer_split import for_decoding
-from jaxgen.state import next_pow2
-
 from report_table import table_header, table_row
+
+from jaxgen.backends.cpu.cache_split import split_cache, stack_cache
+from jaxgen.backends.cpu.layer_split import for_decoding
+from jaxgen.core.state import next_pow2
+from jaxgen.models import Llama, LlamaConfig
 
 BASE = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers=8,
             num_heads=8, num_kv_heads=8, head_dim=64, max_position_embeddings=32768)
@@ -74,7 +73,7 @@ def fill(cache, context: int, key):
 def make_decode(model, steps: int, split: bool = True):
     """`steps` greedy steps in one jitted loop, over what a compiled generate call runs: the
     weights as `for_decoding` lays them out and, with per-layer weights, the cache split per
-    layer (jaxgen.compiled; split=False keeps it stacked)."""
+    layer (jaxgen.runtime.compiled; split=False keeps it stacked)."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, token, start):
         params = for_decoding(model, params, rows=1)
@@ -144,7 +143,7 @@ def main(argv=None):
                                                        "bench_cache.png"))
     parser.add_argument("--stacked-cache", action="store_true",
                         help="keep the cache stacked [L, ...] (what compiled calls ran before "
-                             "jaxgen.cache.layer_split)")
+                             "jaxgen.backends.cpu.cache_split)")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                         help="instead: seconds of generate() for a prompt of TOKENS tokens "
                              "and 4 new ones, per kind")

@@ -1,6 +1,6 @@
 """How fast the `jaxgen` command answers: cold cache, warm cache and no cache, per layout.
 
-Each run is a fresh process (`python -m jaxgen.cli --verbose PROMPT`), as a user types it:
+Each run is a fresh process (`python -m jaxgen.cli.main --verbose PROMPT`), as a user types it:
   * cold: an empty cache folder (JAXGEN_CACHE_DIR) each run: convert the model, compile;
   * warm: the same folder after one priming run: everything comes from the cache;
   * off:  --no-cache (the GGUF parsed and every program compiled, nothing written).
@@ -40,7 +40,7 @@ def run_once(args, cache_dir: str, extra: list[str]) -> dict:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if args.source:
         env["PYTHONPATH"] = args.source
-    command = [sys.executable, "-m", "jaxgen.cli", "--max-new-tokens",
+    command = [sys.executable, "-m", "jaxgen.cli.main", "--max-new-tokens",
                str(args.max_new_tokens), *extra, args.prompt]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgen
-from jaxgen import constraint_compile
-from jaxgen.constraint_automaton import advance, mask_scores, start_carry
-from jaxgen.constraint_compile import compile_constraint
-from jaxgen.decode import DecodeLoop
-from jaxgen.plan import canonical_config
+from jaxgen.api.plan import canonical_config
+from jaxgen.constraints import compile as constraint_compile
+from jaxgen.constraints.automaton import advance, mask_scores, start_carry
+from jaxgen.constraints.compile import compile_constraint
+from jaxgen.loops.decode import DecodeLoop
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from constraint_fixtures import DATE, EMAIL, PERSON, HostAutomaton  # noqa: E402

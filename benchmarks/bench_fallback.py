@@ -27,13 +27,13 @@ import time
 
 import jax
 import numpy as np
-
-import jaxgen
-from jaxgen import generate, init_state
-from jaxgen.generate import default_config, outputs_to_lists
-
 from bench_speculative import PASSAGES, TASKS, chat_prompts
 from report_table import table_header, table_row
+
+import jaxgen
+from jaxgen import init_state
+from jaxgen.api import generate
+from jaxgen.api.generate import default_config, outputs_to_lists
 
 OPEN_ENDED = ["Write a short poem about the sea.",
               "Explain in a few sentences why the sky is blue.",

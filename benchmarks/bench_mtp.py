@@ -25,14 +25,14 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-
-from jaxgen.generate import default_config
-from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
-from jaxgen.models.mtp import with_mtp
-from jaxgen.output import outputs_to_lists
-
 from bench_timing import PROMPTS, best_of, timed_generate
 from report_table import table_header, table_row
+
+from jaxgen.api.generate import default_config
+from jaxgen.core.output import outputs_to_lists
+from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
+from jaxgen.models.mtp import with_mtp
+
 
 def step_costs(model, params, prompt_len: int, width: int, repeats: int):
     """Seconds of one plain target step, a target forward over `width` positions, and one

@@ -26,14 +26,14 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jaxgen.generate import default_config
-from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
-from jaxgen.models.mtp_drafter import MtpDrafterModel, MtpDrafterConfig
-from jaxgen.output import outputs_to_lists
-
 from bench_timing import PROMPTS, best_of, timed_generate
 from report_table import table_header, table_row
+
+from jaxgen.api.generate import default_config
+from jaxgen.core.output import outputs_to_lists
+from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
+from jaxgen.models.mtp_drafter import MtpDrafterConfig, MtpDrafterModel
+
 
 def step_costs(model, params, drafter, draft_params, prompt_len: int, widths, repeats):
     """Seconds of one plain target step, one drafter step and target forwards over each of

@@ -17,11 +17,10 @@ import tempfile
 import time
 
 import numpy as np
+from report_table import table_header, table_row
 
 import jaxgen
 from jaxgen.models import DEFAULT_MODEL, load
-
-from report_table import table_header, table_row
 
 
 def long_prompt(tokenizer, length: int) -> list[int]:
@@ -83,6 +82,7 @@ def main() -> None:
 
     import torch
     from bench_speed import write_f32_gguf
+
     from jaxgen.models.hf_export import hf_from_jaxgen
     from jaxgen.models.registry import embedded_path
 

@@ -30,13 +30,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jaxgen.config import GenerationConfig
-from jaxgen.processors import ProcessorContext, process_logits
-from jaxgen.watermark import WatermarkingConfig, self_green_table
-from jaxgen.watermark_synthid import SynthIDTextWatermarkingConfig
-
 from report_table import table_header, table_row
+
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.logits.chain import ProcessorContext, process_logits
+from jaxgen.logits.watermark.green_list import WatermarkingConfig, self_green_table
+from jaxgen.logits.watermark.synthid import SynthIDTextWatermarkingConfig
 
 HISTORY = 512
 

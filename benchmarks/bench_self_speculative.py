@@ -20,12 +20,11 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
+from report_table import table_header, table_row
 
 import jaxgen
-from jaxgen.generate import default_config, outputs_to_lists
+from jaxgen.api.generate import default_config, outputs_to_lists
 from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
-
-from report_table import table_header, table_row
 
 PROMPTS = ["Write a short poem about the sea.",
            "Explain in two sentences why the sky is blue.",

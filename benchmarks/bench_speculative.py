@@ -26,12 +26,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from report_table import table_header, table_row
 
 import jaxgen
-from jaxgen import generate, init_state
-from jaxgen.generate import default_config, outputs_to_lists
-
-from report_table import table_header, table_row
+from jaxgen import init_state
+from jaxgen.api import generate
+from jaxgen.api.generate import default_config, outputs_to_lists
 
 PASSAGES = [
     "The lighthouse at Kerran Point was built in 1871 from granite quarried on the island "
@@ -129,6 +129,7 @@ def forward_cost(model, params, batch: int, width: int, position: int = 400) -> 
 def hf_model_from(model, params):
     import torch
     import transformers
+
     from jaxgen.models.llama import Llama  # noqa: F401  (jaxgen model -> HF weights)
 
     c = model.config
@@ -300,7 +301,7 @@ def main() -> None:
 
 def _merge(a, b):
     """Sums the statistics of two single-row outputs (for the batch-1 aggregate)."""
-    from jaxgen.speculative import SpeculativeStats
+    from jaxgen.core.speculative_stats import SpeculativeStats
     sa, sb = a.speculative, b.speculative
     merged = SpeculativeStats(
         rounds=sa.rounds + sb.rounds, drafted=sa.drafted + sb.drafted,

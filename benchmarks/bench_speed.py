@@ -24,16 +24,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import jaxgen
-from jaxgen.cache.layer_split import split_cache
-from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
-from jaxgen.models.layer_split import layout_override
-from jaxgen.models.quantize import quantize_params
-from jaxgen.step import choose, forward_last, state_context
-
 from bench_generate import measure_bandwidth, prompts_of
 from report_table import table_header, table_row
+
+import jaxgen
+from jaxgen.backends.cpu.cache_split import split_cache
+from jaxgen.backends.cpu.layer_split import layout_override
+from jaxgen.core.step import choose, forward_last, state_context
+from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
+from jaxgen.models.quantize import quantize_params
 
 
 def measure_matmul_flops(repeats: int = 5) -> float:
@@ -349,9 +348,10 @@ def main() -> None:
     if args.profile_only:
         return
 
+    import torch
+
     from jaxgen.models.hf_export import hf_from_jaxgen
     from jaxgen.models.registry import embedded_path
-    import torch
 
     torch.set_num_threads(args.threads)
     hf = hf_from_jaxgen(model, stacked)

@@ -14,13 +14,12 @@ import argparse
 import time
 
 import jax
+from report_table import table_header, table_row
 
 import jaxgen
-from jaxgen.chunked import ChunkTimings
+from jaxgen.drivers.chunked import ChunkTimings
+from jaxgen.drivers.streamers import TextStreamer
 from jaxgen.models import DEFAULT_MODEL, load
-from jaxgen.streaming import TextStreamer
-
-from report_table import table_header, table_row
 
 
 class SilentStreamer(TextStreamer):

@@ -30,7 +30,7 @@ def best_of(fn, repeats: int) -> float:
 
 
 def timed_generate(params, model, prompt, cfg, repeats, **kw):
-    """(best seconds, output) of one generate call; kw go to jaxgen.generate."""
+    """(best seconds, output) of one generate call; kw go to jaxgen.api.generate."""
     run = lambda: jaxgen.generate(params, jaxgen.init_state(model, prompt, cfg), cfg, **kw)  # noqa
     out = run()
     return best_of(lambda: run().sequences, repeats), out

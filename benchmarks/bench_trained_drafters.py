@@ -36,9 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgen
-from jaxgen.generate import default_config, outputs_to_lists
-from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
-from jaxgen.models import shipped_drafters
+from jaxgen.api.generate import default_config, outputs_to_lists
+from jaxgen.models import DEFAULT_MODEL, load, shipped_drafters, unstack_layers
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "jaxgen", "train",
                        "data", "prompts_heldout.jsonl")
@@ -169,6 +168,7 @@ def llama_cpp_costs(drafts) -> dict | None:
         print("llama_cpp is not installed: no llama.cpp cost columns")
         return None
     from bench_speed import llama_cpp_forward_seconds, write_f32_gguf
+
     from jaxgen.models.registry import embedded_path
 
     with tempfile.TemporaryDirectory() as folder:

@@ -20,7 +20,7 @@ arrays: `ChunkTimings.host_s` / rounds) next to the whole round. With --hf, tran
 (`generate(assistant_model=, tokenizer=, assistant_tokenizer=)`, PyTorch CPU, batch 1 only)
 runs on the same pair. Timings exclude compilation (each program runs once first).
 
-With --host-only it measures only the host work of a greedy round (jaxgen.uad_driver.UadRows:
+With --host-only it measures only the host work of a greedy round (jaxgen.drivers.uad.UadRows:
 assistant inputs, round arrays, the drafts' re-encoding and alignment) on a fixed English
 continuation, without the device: the per-round overhead UAD adds, by batch size.
 
@@ -44,16 +44,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tokenizers
-from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
+from report_table import table_header, table_row
+from tokenizers import decoders, pre_tokenizers, trainers
+from tokenizers import models as tok_models
 
 import jaxgen
-from jaxgen.chunked import ChunkTimings
-from jaxgen.generate import default_config, outputs_to_lists
+from jaxgen.api.generate import default_config, outputs_to_lists
+from jaxgen.drivers.chunked import ChunkTimings
 from jaxgen.models import DEFAULT_MODEL, Llama, load, unstack_layers
 from jaxgen.models.tokenizer import Tokenizer
-from jaxgen.uad_text import TokenBridge
-
-from report_table import table_header, table_row
+from jaxgen.speculative.uad.bridge import TokenBridge
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS_PROMPTS = ["Describe a walk in the forest.", "How do airplanes fly?",
@@ -164,8 +164,8 @@ def host_only(tokenizer, draft_tok, args) -> None:
     """Median host ms per greedy round at batch 1, 4 and --batch (no device work)."""
     from types import SimpleNamespace
 
-    from jaxgen.speculative.uad import UadDrafter
-    from jaxgen.uad_driver import UadRows
+    from jaxgen.drivers.uad import UadRows
+    from jaxgen.speculative.uad.drafter import UadDrafter
 
     bridge = TokenBridge(tokenizer, draft_tok, len(tokenizer), len(draft_tok))
     text = tokenizer.encode(" The waves of the ocean crash against the shore, a constant "

@@ -6,19 +6,25 @@ Example (illustration: loads the embedded 135M model):
     >>> jaxgen.generate_text(model, params, tokenizer, ["What is the capital of France?"],
     ...                      chat=True, max_new_tokens=20)  # doctest: +SKIP
 """
+from jaxgen.api.generate import default_config, generate, generate_ids, trace_count
+from jaxgen.api.text import generate_text
 from jaxgen.cache import KVCache
-from jaxgen.config import GenerationConfig
-from jaxgen.generate import default_config, generate, generate_ids, trace_count
-from jaxgen.output import GenerateOutput
-from jaxgen.state import DecodeState, init_state
-from jaxgen.stopping_criteria import (ConfidenceCriteria, EosTokenCriteria, MaxLengthCriteria,
-                                      MaxTimeCriteria, StoppingCriteriaList,
-                                      StopStringCriteria, validate_stopping_criteria)
-from jaxgen.text import generate_text
-from jaxgen.watermark import WatermarkingConfig
-from jaxgen.watermark_detect import WatermarkDetector
-from jaxgen.watermark_synthid import SynthIDTextWatermarkingConfig
-from jaxgen.watermark_synthid_detect import SynthIDTextDetector
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.core.output import GenerateOutput
+from jaxgen.core.state import DecodeState, init_state
+from jaxgen.logits.watermark.detect import WatermarkDetector
+from jaxgen.logits.watermark.green_list import WatermarkingConfig
+from jaxgen.logits.watermark.synthid import SynthIDTextWatermarkingConfig
+from jaxgen.logits.watermark.synthid_detect import SynthIDTextDetector
+from jaxgen.stopping.criteria import (
+    ConfidenceCriteria,
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    validate_stopping_criteria,
+)
 
 __all__ = [
     "GenerationConfig", "DecodeState", "GenerateOutput", "KVCache", "init_state", "generate",

@@ -1,10 +1,10 @@
 """The executable-cache tests' process (tests/test_executable_cache.py): generates with
-jaxgen.executable_cache enabled and prints one JSON line.
+jaxgen.runtime.executable_cache enabled and prints one JSON line.
 
     python tests/executable_cache_script.py FOLDER
     python tests/executable_cache_script.py --key    # program_key of sampling_call()
 
-A fresh process, so the cache's module state is the one jaxgen.compiled uses (pytest's
+A fresh process, so the cache's module state is the one jaxgen.runtime.compiled uses (pytest's
 doctest collection imports a second copy of every module). Each round enables a new store
 on FOLDER after `jax.clear_caches()`, as a new `jaxgen` process starts: nothing compiled in
 memory. A round generates a streamed greedy answer (the chunked driver: `start`, `advance`)
@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 import jaxgen
-from jaxgen import compiled, executable_cache
+from jaxgen.drivers.streamers import BaseStreamer
 from jaxgen.models import Llama, LlamaConfig, tiny_llama
 from jaxgen.models.tiny import TINY_SHAPES
-from jaxgen.streaming import BaseStreamer
+from jaxgen.runtime import compiled, executable_cache
 
 COMPILES: list[str] = []
 
@@ -80,9 +80,9 @@ def one_round(folder: str, model, params) -> dict:
 
 def sampling_call():
     """(name, args, loop) of a sampling call: its config's static part holds a set of names."""
-    from jaxgen.decode import DecodeLoop
-    from jaxgen.extensions import Extensions
-    from jaxgen.plan import canonical_config
+    from jaxgen.api.plan import canonical_config
+    from jaxgen.core.extensions import Extensions
+    from jaxgen.loops.decode import DecodeLoop
 
     model = Llama(LlamaConfig(**{**TINY_SHAPES, "num_layers": 1}))
     shapes = jax.eval_shape(model.init_params, jax.random.key(0))  # nothing computed

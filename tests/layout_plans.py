@@ -1,4 +1,4 @@
-"""A test helper: record the layouts `models/layer_split.decoding_plan` plans."""
+"""A test helper: record the layouts `jaxgen/backends/cpu/layer_split.decoding_plan` plans."""
 
 
 def record_layout_plans(monkeypatch) -> list[dict]:

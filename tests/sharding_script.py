@@ -177,7 +177,7 @@ def extra() -> None:
 def guided_cases(model, params, shapes):
     """name -> (model, params, cfg, generate kwargs, init_state kwargs): the checkpoint's MTP
     layers (use_mtp), classifier-free guidance and a compiled token automaton."""
-    from jaxgen.constraint_automaton import from_edges
+    from jaxgen.constraints.automaton import from_edges
     from jaxgen.models.mtp import with_mtp
     mtp_model, mtp_params = with_mtp(model, params, jax.random.key(3), depths=2)
     mtp_params["mtp"] = peaked(mtp_params["mtp"])

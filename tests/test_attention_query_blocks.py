@@ -11,8 +11,8 @@ import pytest
 import jaxgen
 from jaxgen.cache import attention
 from jaxgen.cache.dense import attend_dense
+from jaxgen.core.step import prefill_tokens
 from jaxgen.models import tiny_llama
-from jaxgen.step import prefill_tokens
 
 
 def _attend(q, k, v, positions, window, blocked: bool, monkeypatch) -> jax.Array:
@@ -115,6 +115,7 @@ def test_long_prompts_match_transformers(arch, overrides, tmp_path):
     """Ragged 600- and 530-token prompts (blocked prefill reads, a sliding window's lower
     edge for Mistral) generate transformers' greedy tokens, fp32."""
     from model_fixtures import hf_generate_rows, make_hf_model, save_hf_model
+
     from jaxgen.models import load
 
     hf = make_hf_model(arch, seed=3, max_position_embeddings=1024, **overrides)

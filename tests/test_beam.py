@@ -10,16 +10,15 @@ left-padded run (jaxgen right-pads, with per-row prompt lengths).
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-import jax
-import jax.numpy as jnp
+from model_fixtures import make_hf_model, save_hf_model
 
 import jaxgen
 from jaxgen import stopping
-from model_fixtures import make_hf_model, save_hf_model
 
 PAD = 0
 MAX_NEW = 8
@@ -162,8 +161,12 @@ def _last_is(token):
 def test_history_processors_and_user_hooks_match_transformers(tiny):
     """Processors that read the history see each beam's own sequence; a user processor runs
     on every beam, a user stopping criterion on every candidate (HF's placement)."""
-    from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria
-    from transformers import StoppingCriteriaList
+    from transformers import (
+        LogitsProcessor,
+        LogitsProcessorList,
+        StoppingCriteria,
+        StoppingCriteriaList,
+    )
 
     hf, model, params, eos = tiny
     banned, stop_token = 17, pick_eos(hf, RAGGED[1])

@@ -8,16 +8,15 @@ a 5-token vocabulary over 2 steps, and compared with 24 000 jaxgen draws by chi-
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
-
-import jax
-import jax.numpy as jnp
-
-import jaxgen
 from stubs import BigramStub
 from test_beam_reference import Settings, exact_beam_sample_distribution
+
+import jaxgen
 
 VOCAB = 5
 EOS = 3

@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxgen
 from jaxgen.cache import CACHE_KINDS, KVCache, check_rollback, make_cache
-from jaxgen.config import GenerationConfig
+from jaxgen.config.generation import GenerationConfig
 from jaxgen.models import Llama, LlamaConfig
 
 TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -55,7 +56,7 @@ def forward_for(model):
 
 
 def prefill(model, kind, cache_config, prompt):
-    """Right-padded prefill of one prompt, as jaxgen.decode does (then length = prompt)."""
+    """Right-padded prefill of one prompt, as jaxgen.loops.decode does (then length = prompt)."""
     cache = model.init_cache(1, MAX_LEN, kind=kind, cache_config=cache_config)
     tokens = np.zeros((1, BUCKET), np.int32)
     tokens[0, :len(prompt)] = prompt

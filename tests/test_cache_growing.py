@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import jaxgen
-from jaxgen.config import GenerationConfig
-from jaxgen.generate import canonical_config
-from jaxgen.growing import run_growing
+from jaxgen.api.generate import canonical_config
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.drivers.growing import run_growing
 from jaxgen.models import Llama, LlamaConfig
 
 MODEL = Llama(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_layers=2,

@@ -1,4 +1,4 @@
-"""jaxgen.cache.layer_split: a cache split into one buffer per layer reads and writes what the
+"""jaxgen.backends.cpu.cache_split: a cache split into one buffer per layer reads and writes what the
 stacked cache does for every kind, a compiled generate with per-layer weights carries it split
 (no per-step slice copies) and hands the caller back the stacked layout, and the tokens match
 the stacked program's."""
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jaxgen
+from jaxgen.backends.cpu.cache_split import is_split, split_cache, stack_cache
 from jaxgen.cache import make_cache
-from jaxgen.cache.layer_split import is_split, split_cache, stack_cache
 from jaxgen.models import tiny_llama
 
 KINDS = [("static", None), ("dynamic", None), ("quantized", {"nbits": 8, "residual_length": 2}),
@@ -80,7 +80,7 @@ def _generate(monkeypatch, layout, cfg, prompts):
     model, params = tiny_llama(num_layers=3, intermediate_size=40)
     calls = []
     real = split_cache
-    monkeypatch.setattr("jaxgen.cache.layer_split.split_cache",
+    monkeypatch.setattr("jaxgen.backends.cpu.cache_split.split_cache",
                         lambda c: calls.append(type(c).__name__) or real(c))
     assert layer_split.layout_setting() == layout
     state = jaxgen.init_state(model, prompts, cfg, key=jax.random.key(3))

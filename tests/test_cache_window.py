@@ -7,12 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from model_fixtures import (
+    assert_logits_close,
+    hf_greedy_logits,
+    make_hf_model,
+    save_hf_model,
+)
 
 import jaxgen
-from model_fixtures import assert_logits_close, hf_greedy_logits, make_hf_model, save_hf_model
+from jaxgen.api.generate import outputs_to_lists
 from jaxgen.cache import SlidingWindowCache, check_rollback, raise_if_lost
-from jaxgen.config import GenerationConfig
-from jaxgen.generate import outputs_to_lists
+from jaxgen.config.generation import GenerationConfig
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint
 
 WINDOW = 8

@@ -8,14 +8,18 @@ import time
 import jax
 import numpy as np
 import pytest
+from stubs import BigramStub, random_table
 
 import jaxgen
 from jaxgen import stopping
-from jaxgen.chunked import ChunkTimings
+from jaxgen.drivers.chunked import ChunkTimings
+from jaxgen.drivers.streamers import (
+    AsyncTextIteratorStreamer,
+    BaseStreamer,
+    TextIteratorStreamer,
+    TextStreamer,
+)
 from jaxgen.models import DEFAULT_MODEL, load
-from jaxgen.streaming import (AsyncTextIteratorStreamer, BaseStreamer, TextIteratorStreamer,
-                              TextStreamer)
-from stubs import BigramStub, random_table
 
 QUESTIONS = ["What is the capital of France?", "Translate 'good morning' into Japanese.",
              "Write one sentence with an emoji in it.", "Say 'crème brûlée' three times."]

@@ -11,7 +11,7 @@ import pytest
 import jaxgen
 from jaxgen.models import DEFAULT_MODEL, load
 
-CLI = [sys.executable, "-m", "jaxgen.cli"]
+CLI = [sys.executable, "-m", "jaxgen.cli.main"]
 
 
 @pytest.fixture(autouse=True, scope="module")

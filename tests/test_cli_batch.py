@@ -20,9 +20,9 @@ import pytest
 
 import jaxgen
 from jaxgen import stopping
-from jaxgen.cli import main
+from jaxgen.cli.main import main
 
-CLI = [sys.executable, "-m", "jaxgen.cli"]
+CLI = [sys.executable, "-m", "jaxgen.cli.main"]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 
@@ -34,9 +34,8 @@ def write_tiny_model(folder: str, overflow: bool = False) -> str:
     """
     import tokenizers
     import torch
-    from tokenizers import decoders, models
-
     from model_fixtures import make_hf_model, save_hf_model
+    from tokenizers import decoders, models
 
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
@@ -327,7 +326,7 @@ def test_nan_logits_name_the_record_and_keep_the_rest(tiny_model, tmp_path, caps
 
 
 def test_overflowing_logits_end_to_end(tmp_path, capsys):
-    """Needs the on-device INVALID_LOGITS detection (jaxgen.step / decode)."""
+    """Needs the on-device INVALID_LOGITS detection (jaxgen.core.step / decode)."""
     folder = write_tiny_model(str(tmp_path / "overflow_model"), overflow=True)
     capsys.readouterr()
     source = write_records(tmp_path / "p.jsonl", [{"prompt": "hello"}, {"prompt": "there"}])
@@ -348,7 +347,7 @@ def test_generate_text_raises_on_invalid_logits(tiny_model):
         return dataclasses.replace(out, stop_reason=out.stop_reason.at[1].set(
             stopping.INVALID_LOGITS))
 
-    with pytest.raises(jaxgen.text.InvalidLogitsError, match="NaN/inf logits for prompt 1") as info:
+    with pytest.raises(jaxgen.api.text.InvalidLogitsError, match="NaN/inf logits for prompt 1") as info:
         jaxgen.generate_text(model, params, tokenizer, ["ab", "cd", "ef"], max_new_tokens=3,
                              custom_generate=custom)
     assert info.value.prompts == (1,)

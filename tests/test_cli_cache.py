@@ -1,5 +1,5 @@
-"""The CLI's per-user cache: converted GGUF models (models/gguf_cache.py) and compiled programs
-(jaxgen/cli_cache.py). Damaged entries are rebuilt; the cache never changes an answer."""
+"""The CLI's per-user cache: converted GGUF models (jaxgen/models/gguf_cache.py) and compiled programs
+(jaxgen/cli/compile_cache.py). Damaged entries are rebuilt; the cache never changes an answer."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,17 @@ import numpy as np
 import pytest
 
 from jaxgen.models import tiny_llama, tiny_tokenizer
-from jaxgen.models.gguf_cache import (MANIFEST, WEIGHTS, CacheEntryError, entry_name,
-                                      load_cached, read_entry, write_entry)
+from jaxgen.models.gguf_cache import (
+    MANIFEST,
+    WEIGHTS,
+    CacheEntryError,
+    entry_name,
+    load_cached,
+    read_entry,
+    write_entry,
+)
 
-CLI = [sys.executable, "-m", "jaxgen.cli"]
+CLI = [sys.executable, "-m", "jaxgen.cli.main"]
 
 
 def tiny_source(tmp_path):

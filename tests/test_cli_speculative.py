@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxgen.cli import main
-from jaxgen.cli_speculative import METHODS, check_flags, config_fields
+from jaxgen.cli.assisted import METHODS, check_flags, config_fields
+from jaxgen.cli.main import main
 from jaxgen.models import TINY_VOCAB, tiny_llama, tiny_tokenizer
 from jaxgen.models.hf_export import save_hf_checkpoint
 

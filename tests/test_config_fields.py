@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen import config as C
-from jaxgen.config import GenerationConfig
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.config.generation import generation as C
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,13 +10,18 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
+from constraint_fixtures import HostAutomaton, new_ids
 
 import jaxgen
-from constraint_fixtures import HostAutomaton, new_ids
-from jaxgen.constraint_automaton import (advance, allowed_tokens, from_arrays, host_automaton,
-                                         pack_mask)
-from jaxgen.constraint_compile import compile_constraint
-from jaxgen.output import outputs_to_lists
+from jaxgen.constraints.automaton import (
+    advance,
+    allowed_tokens,
+    from_arrays,
+    host_automaton,
+    pack_mask,
+)
+from jaxgen.constraints.compile import compile_constraint
+from jaxgen.core.output import outputs_to_lists
 from jaxgen.models import TINY_VOCAB, tiny_llama, tiny_tokenizer
 
 EOS = 256  # tiny_tokenizer's "</s>"

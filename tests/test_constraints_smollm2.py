@@ -9,11 +9,11 @@ import re
 import jax
 import jsonschema
 import pytest
+from constraint_fixtures import DATE, EMAIL, PERSON, HostAutomaton, new_ids
+from model_fixtures import smollm2_pair
 
 import jaxgen
-from constraint_fixtures import DATE, EMAIL, PERSON, HostAutomaton, new_ids
-from jaxgen.constraint_compile import compile_constraint
-from model_fixtures import smollm2_pair
+from jaxgen.constraints.compile import compile_constraint
 
 pytestmark = pytest.mark.slow
 

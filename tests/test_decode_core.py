@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
+from stubs import BigramStub, random_table
 
 import jaxgen
 from jaxgen import stopping
-from stubs import BigramStub, random_table
 
 VOCAB = 8
 

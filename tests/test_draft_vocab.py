@@ -8,15 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxgen import generate, init_state
-from jaxgen.generate import generate_ids
-from jaxgen.models import tiny_llama
-from jaxgen.models.draft_vocab import (DraftVocabModel, restricted_logits, select_draft_vocab,
-                                       with_draft_head)
 from exact_sampling import chi_square
 from stubs import BigramStub
 from test_speculative import SMALL_V, _exact_joint, _sample_cfg
+
+from jaxgen import init_state
+from jaxgen.api import generate
+from jaxgen.api.generate import generate_ids
+from jaxgen.models import tiny_llama
+from jaxgen.models.draft_vocab import (
+    DraftVocabModel,
+    restricted_logits,
+    select_draft_vocab,
+    with_draft_head,
+)
 
 
 def test_logits_inside_equal_the_full_head_and_minus_inf_outside():

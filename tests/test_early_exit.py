@@ -14,13 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from exact_sampling import (
+    SMALL_V,
+    TEMPERATURE,
+    TOP_K,
+    assert_follows,
+    first_three_counts,
+    three_token_joint,
+)
 
 import jaxgen
-from jaxgen.contracts import LayeredModel
+from jaxgen.core.contracts import LayeredModel
 from jaxgen.models import tiny_llama, unstack_layers
 from jaxgen.models.exit_adapter import init_exit_adapter
-from exact_sampling import (SMALL_V, TEMPERATURE, TOP_K, assert_follows, first_three_counts,
-                            three_token_joint)
 
 MODEL, PARAMS = tiny_llama(seed=4, num_layers=3, vocab_size=64, hidden_size=32,
                            intermediate_size=64, num_heads=4, num_kv_heads=2)

@@ -1,8 +1,8 @@
-"""jaxgen.executable_cache: a warm process runs stored executables (nothing traced or
+"""jaxgen.runtime.executable_cache: a warm process runs stored executables (nothing traced or
 compiled, the same tokens); damaged or stale entries fall back to a compile; calls it cannot
 key run as plain jits. The end-to-end rounds run in a fresh process
 (tests/executable_cache_script.py): pytest's doctest collection imports a second copy of
-every module, and the cache's switch lives in the copy jaxgen.compiled imported."""
+every module, and the cache's switch lives in the copy jaxgen.runtime.compiled imported."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +15,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxgen import executable_cache
-from jaxgen.executable_cache import ExecutableStore, program_key
+from jaxgen.runtime import executable_cache
+from jaxgen.runtime.executable_cache import ExecutableStore, program_key
 
 SCRIPT = pathlib.Path(__file__).with_name("executable_cache_script.py")
 ROOT = SCRIPT.parent.parent

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from stubs import BigramStub, random_table
 
 import jaxgen
 from jaxgen import stopping
-from jaxgen.config import GenerationConfig
-from jaxgen.processors import ProcessorContext, process_logits
-from stubs import BigramStub, random_table
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.logits.chain import ProcessorContext, process_logits
 
 V = 32
 MODEL = BigramStub(vocab_size=V)

@@ -4,10 +4,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen.kernels import build, few_rows
-from jaxgen.kernels.few_rows import available, few_rows_product
-from jaxgen.models.kernel_matrix import (KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS, KernelMatrix,
-                                        kernel_layers, kernel_stacks)
+from jaxgen.backends.cpu.kernel_matrix import (
+    KERNEL_MAX_ROWS,
+    STACKED_KERNEL_MAX_ROWS,
+    KernelMatrix,
+    kernel_layers,
+    kernel_stacks,
+)
+from jaxgen.backends.cpu.kernels import build, few_rows
+from jaxgen.backends.cpu.kernels.few_rows import available, few_rows_product
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -102,9 +107,9 @@ def test_generate_with_the_kernel_gives_xla_s_tokens(monkeypatch, batch, setting
 def test_multi_row_programs_call_the_kernel_and_one_row_programs_only_with_8_row_groups(
         monkeypatch):
     import jaxgen
-    from jaxgen import compiled
-    from jaxgen.decode import DecodeLoop
+    from jaxgen.loops.decode import DecodeLoop
     from jaxgen.models import layer_split, tiny_llama
+    from jaxgen.runtime import compiled
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     model, params = tiny_llama()
@@ -134,7 +139,7 @@ def test_the_build_reports_its_row_group_from_the_cpu_it_was_built_for(monkeypat
 
 def test_second_call_with_the_kernel_does_not_recompile(monkeypatch):
     import jaxgen
-    from jaxgen.compiled import trace_count
+    from jaxgen.runtime.compiled import trace_count
 
     out, params, model = _generate(monkeypatch, True, 2)
     before = trace_count()
@@ -161,9 +166,9 @@ def test_a_failed_build_warns_with_the_reason_and_falls_back(monkeypatch, tmp_pa
 def test_per_layer_params_run_the_kernel_too(monkeypatch):
     # unstack_layers' layout (what the benchmarks and the CLI decode) gets the kernel's layout
     import jaxgen
-    from jaxgen import compiled
-    from jaxgen.decode import DecodeLoop
+    from jaxgen.loops.decode import DecodeLoop
     from jaxgen.models import layer_split, tiny_llama, unstack_layers
+    from jaxgen.runtime import compiled
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     model, params = tiny_llama(num_layers=2, intermediate_size=40)

@@ -4,10 +4,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from model_fixtures import (
+    SHARED_CASES,
+    hf_generate_rows,
+    make_hf_model,
+    save_hf_model,
+    smollm2_pair,
+)
 
 import jaxgen
-from model_fixtures import (SHARED_CASES, hf_generate_rows, make_hf_model, save_hf_model,
-                            smollm2_pair)
 from jaxgen.models import load
 
 RANDOM_MODELS = SHARED_CASES

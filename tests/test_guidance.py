@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from model_fixtures import make_hf_model, save_hf_model
 
 import jaxgen
-from jaxgen.guidance import GuidedLoop
-from jaxgen.plan import execute, make_plan
-from model_fixtures import make_hf_model, save_hf_model
+from jaxgen.api.plan import execute, make_plan
+from jaxgen.loops.guidance import GuidedLoop
 from jaxgen.models import load
 
 PAD, EOS = 0, 2

@@ -10,8 +10,8 @@ import tokenizers
 import torch
 from tokenizers import decoders, models
 
-from jaxgen.processors_sampling import min_p_filter
-from jaxgen.stopping_strings import token_texts
+from jaxgen.logits.warpers import min_p_filter
+from jaxgen.stopping.strings import token_texts
 
 
 @pytest.mark.parametrize("exact", [False, True])

@@ -1,4 +1,4 @@
-"""jaxgen.compiled._laid_out: params laid out for decoding once and kept for the next call with
+"""jaxgen.runtime.compiled._laid_out: params laid out for decoding once and kept for the next call with
 the same arrays; dropped when the caller's arrays go."""
 import gc
 
@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgen
-from jaxgen import compiled
-from jaxgen.kernels import few_rows
+from jaxgen.backends.cpu.kernels import few_rows
+from jaxgen.drivers.streamers import BaseStreamer
 from jaxgen.models import layer_split, tiny_llama
-from jaxgen.streaming import BaseStreamer
+from jaxgen.runtime import compiled
 
 
 class Quiet(BaseStreamer):

@@ -1,13 +1,13 @@
-"""models/layer_split.py: stacked weights split once per compiled call give the stacked
+"""jaxgen/backends/cpu/layer_split.py: stacked weights split once per compiled call give the stacked
 layout's tokens, and the decode loop then slices no weight out of a stack."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jaxgen.backends.cpu.layer_split import is_stacked, split_layers
+from jaxgen.core.step import forward_last
 from jaxgen.models import tiny_llama, unstack_layers
-from jaxgen.models.layer_split import is_stacked, split_layers
-from jaxgen.step import forward_last
 
 STEPS = 3
 
@@ -62,8 +62,9 @@ def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 
                               **settings):
     """generate() on a tiny Llama with $JAXGEN_LAYER_LAYOUT=layout: (output, the `fuse` flag
     of each layout planned)."""
-    import jaxgen
     from layout_plans import record_layout_plans
+
+    import jaxgen
 
     plans = record_layout_plans(monkeypatch)
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
@@ -101,7 +102,7 @@ def test_auto_splits_only_layer_weights_large_enough_to_gain():
 def test_a_bad_layout_setting_names_the_variable_and_the_choices(monkeypatch):
     import pytest
 
-    from jaxgen.models.layer_split import layout_setting
+    from jaxgen.backends.cpu.layer_split import layout_setting
 
     monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", "fused")
     with pytest.raises(ValueError, match=r"JAXGEN_LAYER_LAYOUT='fused'.*auto, stacked, split"):
@@ -122,11 +123,11 @@ def test_one_row_programs_fuse_the_projections_and_keep_the_tokens(monkeypatch):
 def test_programs_fuse_when_every_forward_runs_at_most_four_rows(monkeypatch):
     """Plain and assisted decoding: the batch (a plain step); beam search: batch x beams."""
     import jaxgen
-    from jaxgen.beam import BeamLoop
-    from jaxgen.compiled import _decoding_inputs
-    from jaxgen.decode import DecodeLoop
+    from jaxgen.backends.cpu.rowwise import ROWWISE_MAX_ROWS
+    from jaxgen.loops.beam import BeamLoop
+    from jaxgen.loops.decode import DecodeLoop
     from jaxgen.models import layer_split
-    from jaxgen.models.rowwise import ROWWISE_MAX_ROWS
+    from jaxgen.runtime.compiled import _decoding_inputs
     from jaxgen.speculative import prompt_lookup
     from jaxgen.speculative.loop import SpeculativeLoop
 
@@ -148,7 +149,7 @@ def test_programs_fuse_when_every_forward_runs_at_most_four_rows(monkeypatch):
 
 
 def test_fused_projections_give_the_separate_ones_outputs_with_biases_and_qk_norm():
-    from jaxgen.models.layer_split import fuse_projections
+    from jaxgen.backends.cpu.layer_split import fuse_projections
 
     model, params = tiny_llama(num_layers=2, attention_bias=True, qk_norm=True, num_kv_heads=1)
     fused = jax.jit(lambda p: split_layers(p, fuse=True))(params)

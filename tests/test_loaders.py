@@ -8,8 +8,8 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from model_fixtures import make_hf_model, save_hf_model, smollm2_gguf_path
+
 from jaxgen.models import DEFAULT_MODEL, LlamaConfig, load
 from jaxgen.models.gguf_checkpoint import load_gguf_checkpoint, unpermute_rows
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint

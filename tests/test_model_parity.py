@@ -6,9 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from model_fixtures import (
+    SHARED_CASES,
+    assert_logits_close,
+    hf_greedy_logits,
+    jax_greedy_logits,
+    make_hf_model,
+    save_hf_model,
+    smollm2_pair,
+)
 
-from model_fixtures import (SHARED_CASES, assert_logits_close, hf_greedy_logits,
-                            jax_greedy_logits, make_hf_model, save_hf_model, smollm2_pair)
 from jaxgen.models import DEFAULT_MODEL, Llama, LlamaConfig, load
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint
 
@@ -202,9 +209,8 @@ def test_smollm2_greedy_answers_paris():
 
 
 def test_unstacked_layers_give_the_same_logits_and_tokens(tiny):
-    from jaxgen.models import unstack_layers
-
     import jaxgen
+    from jaxgen.models import unstack_layers
 
     _, model, params = tiny
     fast = unstack_layers(model, params)

@@ -14,18 +14,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from exact_sampling import (
+    SMALL_V,
+    TEMPERATURE,
+    TOP_K,
+    assert_follows,
+    chi_square,
+    first_three_counts,
+    next_probs,
+    processed_probs,
+    three_token_joint,
+)
+from test_chunked import Collect
+from test_early_exit import RAGGED
 
 import jaxgen
+from jaxgen.drivers.chunked import ChunkTimings
 from jaxgen.models import load, tiny_llama
 from jaxgen.models.mtp import teacher_forced_logits, with_mtp
 from jaxgen.models.mtp_checkpoint import save_mtp_checkpoint
-from jaxgen.chunked import ChunkTimings
 from jaxgen.models.safetensors_io import read_safetensors, write_safetensors
-from jaxgen.speculative.mtp import MtpDrafter
-from test_chunked import Collect
-from exact_sampling import (SMALL_V, TEMPERATURE, TOP_K, assert_follows, chi_square,
-                            first_three_counts, next_probs, processed_probs, three_token_joint)
-from test_early_exit import RAGGED
+from jaxgen.speculative.drafters.mtp_layers import MtpDrafter
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

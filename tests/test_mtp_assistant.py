@@ -19,19 +19,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from exact_sampling import (
+    SMALL_V,
+    TEMPERATURE,
+    TOP_K,
+    assert_follows,
+    chi_square,
+    first_three_counts,
+    next_probs,
+    processed_probs,
+    three_token_joint,
+)
+from test_chunked import Collect
+from test_early_exit import RAGGED
 
 import jaxgen
 from jaxgen import stopping
 from jaxgen.models import load, tiny_llama
-from jaxgen.models.mtp_drafter import MODEL_TYPE, MtpDrafterModel, MtpDrafterConfig
+from jaxgen.models.mtp_drafter import MODEL_TYPE, MtpDrafterConfig, MtpDrafterModel
 from jaxgen.models.mtp_drafter_io import load_mtp_drafter, save_mtp_drafter
 from jaxgen.models.safetensors_io import read_safetensors, write_safetensors
-from jaxgen.speculative.draft_model import DraftModelDrafter
-from jaxgen.speculative.mtp_assistant import MtpAssistantDrafter
-from test_chunked import Collect
-from exact_sampling import (SMALL_V, TEMPERATURE, TOP_K, assert_follows, chi_square,
-                            first_three_counts, next_probs, processed_probs, three_token_joint)
-from test_early_exit import RAGGED
+from jaxgen.speculative.drafters.draft_model import DraftModelDrafter
+from jaxgen.speculative.drafters.mtp_assistant import MtpAssistantDrafter
 
 LLAMA = tiny_llama(seed=4, num_layers=3, vocab_size=64, hidden_size=32, intermediate_size=64,
                    num_heads=4, num_kv_heads=2)
@@ -106,7 +115,7 @@ def test_greedy_equals_plain_greedy_ragged_batch_compiles_once_and_fills_stats()
 def test_tokenizers_passed_with_an_mtp_drafter_keep_plain_assisted_decoding():
     # the CLI passes both tokenizers with every assistant; an MTP drafter drafts in the
     # target's own tokens (its vocabulary is its draft vocabulary), so it is not UAD
-    from jaxgen.uad_text import universal_assistant
+    from jaxgen.speculative.uad.bridge import universal_assistant
 
     drafter = near_bigram_drafter(LLAMA[0])
     tokenizer = object()  # never read for an MTP drafter

@@ -11,7 +11,6 @@ import os
 import pathlib
 
 import pytest
-
 from model_fixtures import require_smollm2_package
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"

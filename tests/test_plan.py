@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 
 import jaxgen
-from jaxgen import plan as plan_module
 from jaxgen import stopping
-from jaxgen.beam import BeamLoop
-from jaxgen.contracts import Drafter, DraftRequest, Model, Proposal
-from jaxgen.decode import DecodeLoop
+from jaxgen.api import plan as plan_module
+from jaxgen.api.plan import CustomLoop, make_plan
+from jaxgen.core.contracts import Drafter, DraftRequest, Model, Proposal
+from jaxgen.core.output import outputs_to_lists
+from jaxgen.core.step import write_if_live
+from jaxgen.loops.beam import BeamLoop
+from jaxgen.loops.decode import DecodeLoop
 from jaxgen.models import Llama, LlamaConfig
-from jaxgen.output import outputs_to_lists
-from jaxgen.plan import CustomLoop, make_plan
-from jaxgen.speculative import SpeculativeLoop
-from jaxgen.step import write_if_live
+from jaxgen.speculative.loop import SpeculativeLoop
 
 MODEL = Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=()))
@@ -272,7 +272,7 @@ def test_non_finite_logits_stop_the_row_with_their_own_reason(mode):
 
 
 def test_step_pieces_share_one_stop_priority():
-    from jaxgen.step import StopFlags, reason_of
+    from jaxgen.core.step import StopFlags, reason_of
     true, false = jnp.array([True]), jnp.array([False])
     flags = StopFlags(eos=true, full=true, string=true, custom=true, invalid=false)
     assert int(reason_of(flags)[0]) == stopping.EOS

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from jaxgen import processors as P
-from jaxgen.processors import ProcessorContext
+from jaxgen.logits import chain as P
+from jaxgen.logits.chain import ProcessorContext
 
 V, T, B = 97, 24, 5
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -293,7 +293,7 @@ def test_renormalize(seed):
 # ------------------------------------------------------------------ padding safety
 def test_padding_is_never_counted():
     """Changing the garbage after each row's length changes nothing."""
-    from jaxgen.config import GenerationConfig
+    from jaxgen.config.generation import GenerationConfig
     cfg = GenerationConfig(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3,
                            no_repeat_ngram_size=2, bad_words_ids=[[1, 2], [3]],
                            sequence_bias=[[[4, 5], 2.0]], eos_token_id=2, min_new_tokens=2)

@@ -13,8 +13,8 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxgen.config import GenerationConfig
-from jaxgen.processors import ProcessorContext, process_logits
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.logits.chain import ProcessorContext, process_logits
 
 V, T, B = 64, 20, 3
 

@@ -10,8 +10,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import jaxgen
-from jaxgen.config import GenerationConfig
-from jaxgen.processors import ProcessorContext, process_logits
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.logits.chain import ProcessorContext, process_logits
 from tests.stubs import BigramStub, random_table
 
 V, T, B = 40, 16, 4

@@ -6,11 +6,11 @@ Marked slow (about 4 minutes on 2 CPU cores: three SmolLM2 compiles plus HF gene
 run with `pytest -m slow tests/test_processors_smollm2.py`."""
 from __future__ import annotations
 
+import model_fixtures
 import numpy as np
 import pytest
 
 import jaxgen
-import model_fixtures
 from jaxgen import stopping
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The native quantized kernel (jaxgen/kernels/quantized_rows) against XLA's products with the
+"""The native quantized kernel (jaxgen/backends/cpu/kernels/quantized_rows) against XLA's products with the
 expanded weights, QuantizedKernelMatrix, and generate() running it on int8 and GGUF weights."""
 import gguf
 import jax
@@ -6,12 +6,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen.kernels.quantized_rows import available, expand, quantized_product, runs
+from jaxgen.backends.cpu.kernel_matrix import (
+    KERNEL_MAX_ROWS,
+    STACKED_KERNEL_MAX_ROWS,
+    kernel_layers,
+    kernel_stacks,
+)
+from jaxgen.backends.cpu.kernels.quantized_rows import (
+    available,
+    expand,
+    quantized_product,
+    runs,
+)
+from jaxgen.backends.cpu.quantized_kernel_matrix import (
+    QuantizedKernelMatrix,
+    kernel_takes,
+)
 from jaxgen.models.gguf_blocks import block_matrix
-from jaxgen.models.kernel_matrix import (KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS, kernel_layers,
-                                        kernel_stacks)
 from jaxgen.models.quantize import Int8Matrix, quantize_matrix
-from jaxgen.models.quantized_kernel_matrix import QuantizedKernelMatrix, kernel_takes
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 TARGET = "jaxgen_quantized_rows"
@@ -176,9 +188,9 @@ def _params(tmp_path, source):
 def test_generate_on_quantized_weights_with_the_kernel_gives_xla_s_tokens(
         monkeypatch, tmp_path, source, batch, settings):
     import jaxgen
-    from jaxgen import compiled
-    from jaxgen.decode import DecodeLoop
+    from jaxgen.loops.decode import DecodeLoop
     from jaxgen.models import layer_split
+    from jaxgen.runtime import compiled
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     model, params = _params(tmp_path, source)
@@ -201,8 +213,8 @@ def test_generate_on_quantized_weights_with_the_kernel_gives_xla_s_tokens(
 
 def test_second_call_on_quantized_weights_does_not_recompile(monkeypatch, tmp_path):
     import jaxgen
-    from jaxgen.compiled import trace_count
     from jaxgen.models import layer_split
+    from jaxgen.runtime.compiled import trace_count
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     model, params = _params(tmp_path, "Q4_1")
@@ -214,8 +226,8 @@ def test_second_call_on_quantized_weights_does_not_recompile(monkeypatch, tmp_pa
 
 
 def test_draft_vocab_reads_the_kernel_layout_head(tmp_path):
+    from jaxgen.backends.cpu.layer_split import split_layers
     from jaxgen.models.draft_vocab import restricted_logits
-    from jaxgen.models.layer_split import split_layers
 
     model, params = _params(tmp_path, "Q4_1")  # an untied Q8_0 head
     laid_out = split_layers(params, fuse=True, kernel=True)

@@ -1,4 +1,4 @@
-"""models/rowwise.py: products with a few rows run one matrix-vector product per row, with the
+"""jaxgen/backends/cpu/rowwise.py: products with a few rows run one matrix-vector product per row, with the
 plain product's values, and generate's CPU programs run them (beam search included)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxgen.models.rowwise import ROWWISE_MAX_ROWS, RowwiseMatrix, rowwise_layer
+from jaxgen.backends.cpu.rowwise import ROWWISE_MAX_ROWS, RowwiseMatrix, rowwise_layer
 
 
 def _dots(fn, *args) -> int:
@@ -37,9 +37,10 @@ def test_rowwise_layer_wraps_float_matrices_only_and_passes_through_jit():
 
 
 def _beam_run(monkeypatch, layout, new_tokens):
+    from layout_plans import record_layout_plans
+
     import jaxgen
     from jaxgen.models import layer_split, tiny_llama
-    from layout_plans import record_layout_plans
 
     plans = record_layout_plans(monkeypatch)
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from model_fixtures import require_smollm2_package
 
 SCRIPT = pathlib.Path(__file__).with_name("sharding_script.py")

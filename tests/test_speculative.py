@@ -7,13 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jaxgen
-from jaxgen import GenerationConfig, generate, init_state
-from jaxgen.generate import outputs_to_lists
-from jaxgen.speculative import accept_greedy, accept_sample, assemble, lookup_drafts
 from exact_sampling import SMALL_V, chi_square
 from stubs import BigramStub, random_table
+
+import jaxgen
+from jaxgen import GenerationConfig, init_state
+from jaxgen.api import generate
+from jaxgen.api.generate import outputs_to_lists
+from jaxgen.speculative.verify import accept_greedy, accept_sample, assemble
+from jaxgen.speculative.drafters.prompt_lookup import lookup_drafts
 
 V = 12
 MODEL = BigramStub(vocab_size=V, pad_token_id=0, eos_token_id=(1,))
@@ -74,7 +76,9 @@ def test_accept_sample_edges_no_nan():
 # ------------------------------------------------------------------ prompt lookup
 def test_prompt_lookup_matches_hugging_face_generator():
     torch = pytest.importorskip("torch")
-    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    from transformers.generation.candidate_generator import (
+        PromptLookupCandidateGenerator,
+    )
 
     rng = np.random.default_rng(0)
     eos, width, trials = 1, 32, 60

@@ -6,13 +6,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from stubs import BigramStub, random_table
 
 import jaxgen
-from jaxgen import GenerationConfig, generate, init_state
-from jaxgen.generate import outputs_to_lists
+from jaxgen import GenerationConfig, init_state
+from jaxgen.api import generate
+from jaxgen.api.generate import outputs_to_lists
 from jaxgen.speculative.fallback import FallbackState, gate_rows
 from jaxgen.speculative.loop import draft_buckets
-from stubs import BigramStub, random_table
 
 V = 12
 MODEL = BigramStub(vocab_size=V, pad_token_id=0)

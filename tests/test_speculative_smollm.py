@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import jaxgen
-from jaxgen import generate, init_state
-from jaxgen.generate import default_config, outputs_to_lists
+from jaxgen import init_state
+from jaxgen.api import generate
+from jaxgen.api.generate import default_config, outputs_to_lists
 
 TEXTS = ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
          "What is 2+2?",

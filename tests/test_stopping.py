@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from model_fixtures import smollm2_load
 
 from jaxgen import stopping
-from jaxgen.stopping_strings import build_stop_tables, stop_string_hit
-from model_fixtures import smollm2_load
+from jaxgen.stopping.strings import build_stop_tables, stop_string_hit
 
 TEXT = ("The cat sat on the mat.\n\nUser: where is the stop sign?\nAssistant: stopping "
         "is unstoppable; the bus-stop is at 42nd St. — café naïve 日本語 ok.\n\nUser:done")
@@ -89,7 +89,7 @@ def test_stop_reason_priority():
     full = jnp.array([True, True, False, True, False, True])
     string = jnp.array([True, True, True, False, False, False])
     custom = jnp.array([True, True, True, True, False, False])
-    from jaxgen.step import StopFlags, mark_done
+    from jaxgen.core.step import StopFlags, mark_done
     flags = StopFlags(eos=eos, full=full, string=string, custom=custom)
     new_done, new_reason = mark_done(done, reason, flags, ~done)
     assert new_done.tolist() == [True, True, True, True, False, True]

@@ -1,4 +1,4 @@
-"""The public stopping-criteria objects (jaxgen.stopping_criteria): Hugging Face's
+"""The public stopping-criteria objects (jaxgen.stopping.criteria): Hugging Face's
 test_stopping_criteria cases ported, parity with transformers' criteria on the same inputs,
 jit-ability, and their use as generate(stopping_criteria=...)."""
 from __future__ import annotations
@@ -16,10 +16,16 @@ from transformers.generation import stopping_criteria as hf
 
 import jaxgen
 from jaxgen import stopping
-from jaxgen.processors import ProcessorContext
-from jaxgen.stopping_criteria import (ConfidenceCriteria, EosTokenCriteria, MaxLengthCriteria,
-                                      MaxTimeCriteria, StoppingCriteriaList,
-                                      StopStringCriteria, validate_stopping_criteria)
+from jaxgen.logits.chain import ProcessorContext
+from jaxgen.stopping.criteria import (
+    ConfidenceCriteria,
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    validate_stopping_criteria,
+)
 from tests.stubs import BigramStub, random_table
 
 B, V = 3, 250

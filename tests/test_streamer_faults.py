@@ -14,11 +14,11 @@ import threading
 import jax
 import jax.numpy as jnp
 import pytest
-
-import jaxgen
-from jaxgen.streaming import AsyncTextIteratorStreamer, TextIteratorStreamer
 from streamer_threads import consume_on_a_thread
 from stubs import BigramStub, random_table
+
+import jaxgen
+from jaxgen.drivers.streamers import AsyncTextIteratorStreamer, TextIteratorStreamer
 
 VOCAB = 16
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]

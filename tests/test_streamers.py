@@ -9,10 +9,14 @@ import threading
 
 import numpy as np
 import pytest
-
-from jaxgen.streaming import AsyncTextIteratorStreamer, TextIteratorStreamer, TextStreamer
-from jaxgen.models import DEFAULT_MODEL, load
 from streamer_threads import consume_on_a_thread
+
+from jaxgen.drivers.streamers import (
+    AsyncTextIteratorStreamer,
+    TextIteratorStreamer,
+    TextStreamer,
+)
+from jaxgen.models import DEFAULT_MODEL, load
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.\nSecond line here.",
@@ -240,7 +244,7 @@ def test_text_streamer_fail_prints_what_it_holds_and_ends_the_line(capsys):
 
 
 def test_base_streamer_fail_defaults_to_end():
-    from jaxgen.streaming import BaseStreamer
+    from jaxgen.drivers.streamers import BaseStreamer
 
     class Recorder(BaseStreamer):
         ended = 0

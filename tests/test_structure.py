@@ -1,7 +1,7 @@
 """The house's structure: floors, no import circle, the plan as the only dispatcher.
 
 Floors (docs/DESIGN.md): a module may import modules of its own floor or below, never
-above; `models/` (installed as jaxgen.models) sees floor 1 only. Imports under
+above; `jaxgen/models/` (installed as jaxgen.models) sees floor 1 only. Imports under
 `if TYPE_CHECKING:` are annotations and do not count.
 """
 from __future__ import annotations
@@ -16,20 +16,20 @@ PACKAGE = ROOT / "jaxgen"
 MODELS = ROOT / "models"
 
 FLOORS = {
-    4: ("jaxgen.cli", "jaxgen.cli_batch", "jaxgen.cli_cache", "jaxgen.cli_speculative",
-        "jaxgen.text", "jaxgen.train"),
-    3: ("jaxgen.generate", "jaxgen.plan", "jaxgen.chunked", "jaxgen.growing",
-        "jaxgen.compiled", "jaxgen.uad_align", "jaxgen.uad_text", "jaxgen.uad_driver",
-        "jaxgen.constraint_compile", "jaxgen.constraint_host", "jaxgen.executable_cache"),
-    2: ("jaxgen.decode", "jaxgen.beam", "jaxgen.step", "jaxgen.speculative", "jaxgen.guidance"),
-    1: ("jaxgen.config", "jaxgen.config_checks", "jaxgen.state", "jaxgen.output",
-        "jaxgen.contracts", "jaxgen.cache", "jaxgen.processors", "jaxgen.processors_history",
-        "jaxgen.processors_position", "jaxgen.processors_sampling", "jaxgen.sampling",
-        "jaxgen.stopping", "jaxgen.stopping_strings", "jaxgen.streaming", "jaxgen.extensions",
-        "jaxgen.stopping_criteria", "jaxgen.watermark", "jaxgen.watermark_rng",
-        "jaxgen.watermark_detect", "jaxgen.watermark_synthid", "jaxgen.watermark_synthid_detect",
-        "jaxgen.constraint_automaton",
-        "jaxgen.guidance_inputs", "jaxgen.kernels"),
+    4: ("jaxgen.cli.main", "jaxgen.cli.batch", "jaxgen.cli.compile_cache", "jaxgen.cli.assisted",
+        "jaxgen.api.text", "jaxgen.train"),
+    3: ("jaxgen.generate", "jaxgen.api.plan", "jaxgen.drivers.chunked", "jaxgen.drivers.growing",
+        "jaxgen.runtime.compiled", "jaxgen.speculative.uad.align", "jaxgen.speculative.uad.bridge", "jaxgen.drivers.uad",
+        "jaxgen.constraints.compile", "jaxgen.drivers.prefix_hook", "jaxgen.runtime.executable_cache"),
+    2: ("jaxgen.loops.decode", "jaxgen.loops.beam", "jaxgen.core.step", "jaxgen.speculative", "jaxgen.loops.guidance"),
+    1: ("jaxgen.config.generation", "jaxgen.config.checks", "jaxgen.core.state", "jaxgen.core.output",
+        "jaxgen.core.contracts", "jaxgen.cache", "jaxgen.logits.chain", "jaxgen.logits.history",
+        "jaxgen.logits.position", "jaxgen.logits.warpers", "jaxgen.logits.sampling",
+        "jaxgen.stopping", "jaxgen.stopping.strings", "jaxgen.drivers.streamers", "jaxgen.core.extensions",
+        "jaxgen.stopping.criteria", "jaxgen.logits.watermark.green_list", "jaxgen.logits.watermark.rng",
+        "jaxgen.logits.watermark.detect", "jaxgen.logits.watermark.synthid", "jaxgen.logits.watermark.synthid_detect",
+        "jaxgen.constraints.automaton",
+        "jaxgen.loops.guidance_inputs", "jaxgen.backends.cpu.kernels"),
     0: ("jaxgen.models",),
 }
 
@@ -138,11 +138,11 @@ def test_no_import_circle():
 
 
 def test_only_the_compiled_module_holds_generate_jits():
-    """No module-level jit chosen by positional static_argnums outside jaxgen.compiled."""
+    """No module-level jit chosen by positional static_argnums outside jaxgen.runtime.compiled."""
     for name, path in modules().items():
         text = path.read_text()
         assert "static_argnums" not in text, f"{name} uses positional static_argnums"
-        if name != "jaxgen.compiled" and not name.startswith("jaxgen.models"):
+        if name != "jaxgen.runtime.compiled" and not name.startswith("jaxgen.models"):
             tree = ast.parse(text)
             for node in tree.body:  # module level only
                 if isinstance(node, ast.Assign) and "jax.jit(" in ast.unparse(node.value):

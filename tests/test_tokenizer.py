@@ -147,9 +147,8 @@ def test_gguf_chat_prompt(smol):
 
 def test_gguf_tokenizer_matches_transformers_gguf_conversion(smol):
     """transformers' own GGUF tokenizer conversion agrees on ids (independent check)."""
-    from transformers import AutoTokenizer
-
     from model_fixtures import smollm2_gguf_path
+    from transformers import AutoTokenizer
 
     path = smollm2_gguf_path()
     theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -12,9 +12,9 @@ from scipy import stats
 from transformers.generation.logits_process import TopHLogitsWarper
 
 import jaxgen
-from jaxgen.config import GenerationConfig
-from jaxgen.processors import ProcessorContext, process_logits
-from jaxgen.processors_sampling import top_h_filter, top_h_filter_sorted
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.logits.chain import ProcessorContext, process_logits
+from jaxgen.logits.warpers import top_h_filter, top_h_filter_sorted
 from tests.stubs import BigramStub, random_table
 
 FILTERS = {"search": top_h_filter, "sort": top_h_filter_sorted}

@@ -13,7 +13,12 @@ from jaxgen.train.batches import DistillSet, pick, position_batch, sequence_batc
 from jaxgen.train.checkpoint import checkpoint_manager, restore_latest, save_state
 from jaxgen.train.loop import TrainConfig, train
 from jaxgen.train.optim import OptimConfig
-from jaxgen.train.standalone_draft import draft_config, init_draft, make_loss, target_frozen
+from jaxgen.train.standalone_draft import (
+    draft_config,
+    init_draft,
+    make_loss,
+    target_frozen,
+)
 
 SEQS, LENGTH, PROMPT = 16, 12, 3
 

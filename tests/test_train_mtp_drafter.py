@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from distill_fixtures import LENGTH, VOCAB, repetitive_target_set
 
 from jaxgen.models import tiny_llama
 from jaxgen.models.mtp_drafter import MtpDrafterModel, drafter_with_draft_head
@@ -15,8 +16,6 @@ from jaxgen.train import mtp_drafter as recipe
 from jaxgen.train.batches import sequence_batch
 from jaxgen.train.loop import TrainConfig, train
 from jaxgen.train.optim import OptimConfig
-
-from distill_fixtures import LENGTH, VOCAB, repetitive_target_set
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +87,18 @@ def test_a_wrong_draft_head_is_refused(setup):
 def test_sampling_with_a_draft_vocabulary_is_lossless():
     """q is zero outside the drafter's vocabulary, yet the 3-token distribution of assisted
     sampling is the target's (chi-square against the exact product of its conditionals)."""
+    from exact_sampling import (
+        SMALL_V,
+        TEMPERATURE,
+        TOP_K,
+        assert_follows,
+        first_three_counts,
+        three_token_joint,
+    )
+    from test_mtp_assistant import run
+
     import jaxgen
     from jaxgen.models.mtp_drafter import MtpDrafterConfig
-    from exact_sampling import (SMALL_V, TEMPERATURE, TOP_K, assert_follows, first_three_counts,
-                                three_token_joint)
-    from test_mtp_assistant import run
 
     model, params = tiny_llama(seed=9, num_layers=3, vocab_size=SMALL_V)
     params = {**params, "embed": params["embed"] * 4.0}  # a peaked, context-dependent model
@@ -120,8 +126,9 @@ def test_shipped_mtp_drafter_is_lossless_on_smollm2():
     """load("smollm2-135m-instruct-mtp-drafter") fits the target and greedy with it equals
     plain greedy (ragged batch of 2), with some drafts accepted."""
     import jaxgen
-    from jaxgen import generate, init_state
-    from jaxgen.generate import default_config, outputs_to_lists
+    from jaxgen import init_state
+    from jaxgen.api import generate
+    from jaxgen.api.generate import default_config, outputs_to_lists
 
     model, params, tokenizer = jaxgen.models.load("smollm2-135m-instruct")
     drafter, dparams, dtok = jaxgen.models.load("smollm2-135m-instruct-mtp-drafter")

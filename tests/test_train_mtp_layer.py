@@ -1,4 +1,4 @@
-"""MTP-layer training (jaxgen/train/mtp_layer.py): the training forward is models/mtp.py's depth
+"""MTP-layer training (jaxgen/train/mtp_layer.py): the training forward is jaxgen/models/mtp.py's depth
 0, the loss falls, a stopped run resumes exactly, the export attaches as params["mtp"]; the
 shipped SmolLM2 MTP layer is lossless with use_mtp and accepts far more than a random one
 (slow)."""
@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from distill_fixtures import LENGTH, VOCAB, repetitive_target_set
 
 from jaxgen.models.mtp import teacher_forced_logits
 from jaxgen.models.shipped_drafters import attach_mtp_layer
@@ -15,8 +16,6 @@ from jaxgen.train import mtp_layer as recipe
 from jaxgen.train.batches import sequence_batch
 from jaxgen.train.loop import TrainConfig, train
 from jaxgen.train.optim import OptimConfig
-
-from distill_fixtures import LENGTH, VOCAB, repetitive_target_set
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def run(setup, steps, **kwargs):
 
 
 def test_training_forward_is_the_mtp_depth(setup):
-    """The student logits are models/mtp.py's teacher-forced depth 0 on the vocabulary rows;
+    """The student logits are jaxgen/models/mtp.py's teacher-forced depth 0 on the vocabulary rows;
     the teacher is the target's own next-token logits one position later."""
     target, params, data, model, mtp = setup
     batch = sequence_batch(data, 0, 2, LENGTH)
@@ -92,8 +91,9 @@ def test_shipped_mtp_layer_is_lossless_and_accepts_on_smollm2():
     layer's acceptance rate was 0.34 at K=1 (mean accepted length 1.34); a random layer
     (std 0.02) proposes near-uniform tokens over 49k, accepted by chance only."""
     import jaxgen
-    from jaxgen import generate, init_state
-    from jaxgen.generate import default_config, outputs_to_lists
+    from jaxgen import init_state
+    from jaxgen.api import generate
+    from jaxgen.api.generate import default_config, outputs_to_lists
     from jaxgen.models.mtp import init_mtp_params
 
     model, params, tokenizer = jaxgen.models.load("smollm2-135m-instruct")

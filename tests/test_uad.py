@@ -1,4 +1,4 @@
-"""Universal assisted decoding: an assistant with another tokenizer (jaxgen.uad_driver).
+"""Universal assisted decoding: an assistant with another tokenizer (jaxgen.drivers.uad).
 
 Byte-level BPEs are trained here on a small text (its characters only, so every token
 decodes to valid text): the target's (265 tokens) and two assistants' — one with fewer merges
@@ -16,17 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
-import jaxgen
-from jaxgen.generate import default_config, outputs_to_lists
-from jaxgen.models import tiny_llama
-from jaxgen.models.tokenizer import Tokenizer
-from jaxgen.uad_align import GreedyRow, tokens_diag
-from jaxgen.uad_text import TokenBridge
 from exact_sampling import chi_square
 from stubs import BigramStub
 from test_speculative import _exact_joint
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+import jaxgen
+from jaxgen.api.generate import default_config, outputs_to_lists
+from jaxgen.models import tiny_llama
+from jaxgen.models.tokenizer import Tokenizer
+from jaxgen.speculative.uad.align import GreedyRow, tokens_diag
+from jaxgen.speculative.uad.bridge import TokenBridge
 
 TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. to be or "
         "not to be, that is the question. all that glitters is not gold. every cloud has a "
@@ -278,7 +278,7 @@ def test_bad_input_fails_before_compiling(kw, needle):
 
 
 def test_generate_text_with_an_assistant_tokenizer_and_streamers():
-    from jaxgen.streaming import TextStreamer
+    from jaxgen.drivers.streamers import TextStreamer
 
     class Collect(TextStreamer):
         def __init__(self):

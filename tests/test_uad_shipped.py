@@ -65,7 +65,7 @@ def _greedy_pair(uad_draft, texts, new_tokens):
     ["How do I boil an egg?", "Name three planets.", "Hi", "Write a haiku about the sea."]],
     ids=["batch1", "ragged4"])
 def test_greedy_uad_with_the_shipped_draft_equals_plain_greedy(uad_draft, texts):
-    from jaxgen.generate import outputs_to_lists
+    from jaxgen.api.generate import outputs_to_lists
 
     plain, out = _greedy_pair(uad_draft, texts, new_tokens=32)
     assert outputs_to_lists(out) == outputs_to_lists(plain)

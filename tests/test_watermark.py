@@ -15,11 +15,11 @@ from transformers.generation import WatermarkDetector as HFDetector
 from transformers.generation.logits_process import WatermarkLogitsProcessor
 
 import jaxgen
-from jaxgen.config import GenerationConfig
-from jaxgen.processors import ProcessorContext, process_logits
-from jaxgen.watermark import WatermarkingConfig, green_list_bias
-from jaxgen.watermark_detect import WatermarkDetector
-from jaxgen.watermark_rng import randperm_prefix
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.logits.chain import ProcessorContext, process_logits
+from jaxgen.logits.watermark.detect import WatermarkDetector
+from jaxgen.logits.watermark.green_list import WatermarkingConfig, green_list_bias
+from jaxgen.logits.watermark.rng import randperm_prefix
 from tests.stubs import BigramStub, random_table
 
 V = 211

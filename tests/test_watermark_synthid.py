@@ -10,12 +10,19 @@ import torch
 from transformers.generation.logits_process import SynthIDTextWatermarkLogitsProcessor
 
 import jaxgen
-from jaxgen.config import GenerationConfig
-from jaxgen.processors import ProcessorContext
-from jaxgen.watermark_synthid import (SynthIDTextWatermarkingConfig, sampling_table,
-                                      synthid_scores)
-from jaxgen.watermark_synthid_detect import (SynthIDTextDetector, compute_g_values,
-                                             context_repetition_mask, eos_token_mask)
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.logits.chain import ProcessorContext
+from jaxgen.logits.watermark.synthid import (
+    SynthIDTextWatermarkingConfig,
+    sampling_table,
+    synthid_scores,
+)
+from jaxgen.logits.watermark.synthid_detect import (
+    SynthIDTextDetector,
+    compute_g_values,
+    context_repetition_mask,
+    eos_token_mask,
+)
 from tests.stubs import BigramStub, random_table
 
 V = 64

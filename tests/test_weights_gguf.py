@@ -1,4 +1,4 @@
-"""GGUF blocks kept as integers (`load(path, weights="gguf")`, models/gguf_blocks.py): the
+"""GGUF blocks kept as integers (`load(path, weights="gguf")`, jaxgen/models/gguf_blocks.py): the
 blocks expand to exactly the float loader's weights, logits and greedy tokens agree with
 `weights="float"`, both layer layouts run them, and bad input is refused before compile."""
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 import jaxgen
 from jaxgen.models import load, unstack_layers
 from jaxgen.models.gguf_blocks import BlockMatrix
-
 from tests.test_loader_checks import small_model, write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -116,7 +115,11 @@ def test_head_of_another_type_stays_float_and_no_tokenizer_caches(tmp_path):
 def test_draft_vocab_reads_a_quantized_head(tmp_path):
     """A pruned draft vocabulary on the blocks: the gathered head columns give the float
     load's draft logits, with_draft_head copies exactly the float load's head rows."""
-    from jaxgen.models.draft_vocab import DraftVocabModel, restricted_logits, with_draft_head
+    from jaxgen.models.draft_vocab import (
+        DraftVocabModel,
+        restricted_logits,
+        with_draft_head,
+    )
 
     path = quantized_file(tmp_path, Q.Q8_0, tied=False)
     model, float_params, _ = load(path)

@@ -1,5 +1,5 @@
-"""Weight-only int8 (`load(..., weights="int8")`, models/quantize.py): the matmul's error
-bound, greedy closeness to fp32 by the near-tie rule (models/quantize_check.py), bad values
+"""Weight-only int8 (`load(..., weights="int8")`, jaxgen/models/quantize.py): the matmul's error
+bound, greedy closeness to fp32 by the near-tie rule (jaxgen/models/quantize_check.py), bad values
 refused before loading, one compilation, both layouts."""
 from __future__ import annotations
 

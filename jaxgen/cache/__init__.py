@@ -5,9 +5,9 @@ Modules, lowest first (each imports only modules above it in this list):
     protocol    Cache, GrowableCache: what models and loops call
     checks      is_concrete, cache_nbytes, check_rollback, rollback_by_length
     layout      heads_major, scatter_heads_major, stored_shape: the [.., B, Hkv, T, Dh]
-                storage layout, per-layer fields stacked [L, ...] or split (tuples)
-    layer_split split_cache, stack_cache: a cache's per-layer fields as one buffer per
-                layer inside compiled calls with per-layer weights
+                storage layout, per-layer fields stacked [L, ...] or as tuples
+    layer_forms to_layer_tuples, to_stacked_layers, holds_layer_tuples: a cache's
+                per-layer fields stacked or one buffer per layer (a backend chooses)
     attention   KeyBlock, attend_blocks: the attention kernel every kind reads through
     ring        ring_write, ring_holds_window, ring_max_rollback: ring-buffer storage
     dense       KVCache ("static"), DynamicKVCache ("dynamic"), attend_dense
@@ -32,8 +32,13 @@ Example:
 """
 from jaxgen.cache.checks import cache_nbytes, check_rollback
 from jaxgen.cache.dense import DynamicKVCache, KVCache, attend_dense
-from jaxgen.cache.factory import (CACHE_CONFIG_KEYS, CACHE_KINDS, SUPPORTED_NBITS, make_cache,
-                                  validate_cache_config)
+from jaxgen.cache.factory import (
+                                  CACHE_CONFIG_KEYS,
+                                  CACHE_KINDS,
+                                  SUPPORTED_NBITS,
+                                  make_cache,
+                                  validate_cache_config,
+)
 from jaxgen.cache.int8 import QuantizedKVCache
 from jaxgen.cache.offload import OffloadedKVCache
 from jaxgen.cache.protocol import Cache, GrowableCache

@@ -30,8 +30,13 @@ import jax.numpy as jnp
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.checks import cache_nbytes, rollback_by_length
-from jaxgen.cache.layout import (HEADS_MAJOR_AXES, fit_time, heads_major, scatter_heads_major,
-                                 stored_shape)
+from jaxgen.cache.layout import (
+    HEADS_MAJOR_AXES,
+    fit_time,
+    heads_major,
+    scatter_heads_major,
+    stored_shape,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -120,7 +125,7 @@ class KVCache:
 @dataclasses.dataclass(frozen=True)
 class DynamicKVCache(KVCache):
     """The dense cache of `cache_implementation="dynamic"`: same layout, small T that
-    jaxgen.growing doubles between jitted chunks (`resize`)."""
+    jaxgen.drivers.growing doubles between jitted chunks (`resize`)."""
 
     kind: ClassVar[str] = "dynamic"
 

@@ -4,7 +4,7 @@ Kinds (`cache_implementation`, Hugging Face's names; `cache_config` keys in pare
 
     "static"          dense k, v [L, B, Hkv, T, Dh] (jaxgen.cache.dense)          (none)
     "dynamic"         dense, starts at a small bucket and doubles between jitted chunks
-                      (jaxgen.cache.dense, jaxgen.growing)     (initial_length, chunk_size)
+                      (jaxgen.cache.dense, jaxgen.drivers.growing)     (initial_length, chunk_size)
     "quantized"       int8 (or 4-bit) codes of Hadamard-rotated K/V + per-token, per-group
                       scales, optional full-precision window of recent tokens
                       (jaxgen.cache.int8) (nbits, q_group_size, residual_length,

@@ -59,8 +59,14 @@ import numpy as np
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.checks import cache_nbytes, rollback_by_length
-from jaxgen.cache.layout import (HEADS_MAJOR_AXES, fit_time, heads_major, scatter_heads_major,
-                                 stored_dtype, stored_shape)
+from jaxgen.cache.layout import (
+    HEADS_MAJOR_AXES,
+    fit_time,
+    heads_major,
+    scatter_heads_major,
+    stored_dtype,
+    stored_shape,
+)
 from jaxgen.cache.ring import ring_write
 
 QMAX = {8: 127, 4: 7}

@@ -6,10 +6,9 @@ contiguous [T, Dh] block, so the attention products are plain batched matmuls wi
 transpose of the cache (on CPU a [B, T, Hkv, Dh] cache would cost a full copy of every
 layer per step).
 
-A per-layer field is stored stacked, one [L, ...] array, or split, a tuple of L [...]
-arrays (jaxgen.cache.layer_split: what a compiled call with per-layer weights carries, since
-XLA:CPU copies a stacked layer's slice before every matmul that reads it). `stored_shape`,
-`replace_layer` and the scatters below take either; a split field needs a static layer.
+A per-layer field is stored stacked, one [L, ...] array, or as a tuple of L [...] arrays
+(`jaxgen.cache.layer_forms`). `stored_shape`, `replace_layer` and the scatters below take
+either; a tuple field needs a static layer.
 
 Example:
     >>> import jax.numpy as jnp
@@ -57,8 +56,8 @@ def cache_dtype(cache, default=jnp.float32):
 
 def _static_layer(layer) -> int:
     if isinstance(layer, jax.core.Tracer):
-        raise TypeError("a cache split per layer (jaxgen.cache.layer_split) needs a static "
-                        "layer index; run the model's layers unrolled, or stack the cache")
+        raise TypeError("a cache held as per-layer tuples (jaxgen.cache.layer_forms) needs a "
+                        "static layer index; run the model's layers unrolled, or stack the cache")
     return int(layer)
 
 

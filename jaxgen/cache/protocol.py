@@ -4,7 +4,7 @@ A cache holds every layer's keys and values in fixed-shape arrays, stacked over 
 model can `lax.scan` over its layers with the cache in the carry; each row has its own length.
 Every kind is a frozen dataclass registered as a PyTree (arrays as leaves, configuration as
 static fields), so it can be donated to jit, carried through `lax.scan` / `lax.while_loop`,
-and reordered leaf by leaf along each leaf's batch axis (beam search, jaxgen.beam).
+and reordered leaf by leaf along each leaf's batch axis (beam search, jaxgen.loops.beam).
 
 Visibility rule: a query at position p sees the keys at positions j <= p (and, for
 sliding-window models, j > p - window). Every forward writes a contiguous block starting at
@@ -14,11 +14,11 @@ speculative tail is therefore just `cache.rollback(n)`.
 
 Who calls what:
 
-    models (models/llama.py)      update_attend, once per layer inside the layer scan; then
+    models (jaxgen/models/llama.py)      update_attend, once per layer inside the layer scan; then
                                   with_length(positions[:, -1] + 1)
     decode / beam loops           with_length
     speculative decoding          rollback, length
-    jaxgen.growing                max_len, nbytes, resize (only kinds that can grow:
+    jaxgen.drivers.growing                max_len, nbytes, resize (only kinds that can grow:
                                   `GrowableCache`)
     jaxgen.cache.check_rollback   length, max_rollback, kind
     test stubs, benchmarks        update, attend, batch
@@ -106,7 +106,7 @@ class Cache(Protocol):
 
 @runtime_checkable
 class GrowableCache(Cache, Protocol):
-    """A cache whose storage can be re-allocated between jitted calls (jaxgen.growing)."""
+    """A cache whose storage can be re-allocated between jitted calls (jaxgen.drivers.growing)."""
 
     def resize(self, max_len: int) -> GrowableCache:
         """A copy with `max_len` positions per row (grown with zeros, or cropped); the

@@ -24,7 +24,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgen.cache.layout import heads_major, scatter_heads_major, scatter_rows, stored_shape
+from jaxgen.cache.layout import (
+    heads_major,
+    scatter_heads_major,
+    scatter_rows,
+    stored_shape,
+)
 
 
 def ring_write(k_buf: jax.Array, v_buf: jax.Array, pos_buf: jax.Array, layer,

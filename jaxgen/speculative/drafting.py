@@ -13,8 +13,8 @@ Per step i and row b (active rows only; the others keep pad and stop counting):
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from types import SimpleNamespace
-    >>> from jaxgen.config import GenerationConfig
-    >>> from jaxgen.extensions import NO_EXTENSIONS
+    >>> from jaxgen.config.generation import GenerationConfig
+    >>> from jaxgen.core.extensions import NO_EXTENSIONS
     >>> rows = SimpleNamespace(tokens=jnp.array([[3, 0, 0]]), length=jnp.array([1]),
     ...                        prompt_len=jnp.array([1]), max_new=jnp.array([2]), pad_token_id=0)
     >>> request = SimpleNamespace(state=rows, cfg=GenerationConfig(), ext=NO_EXTENSIONS,
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen import stopping
-from jaxgen.contracts import Proposal
-from jaxgen.processors import process_logits
-from jaxgen.sampling import sample_rows
-from jaxgen.step import state_context, write_if_live
+from jaxgen.core.contracts import Proposal
+from jaxgen.core.step import state_context, write_if_live
+from jaxgen.logits.chain import process_logits
+from jaxgen.logits.sampling import sample_rows
 
 
 @jax.tree_util.register_dataclass

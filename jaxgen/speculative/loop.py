@@ -49,18 +49,18 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxgen.config import GenerationConfig
-from jaxgen.constraint_automaton import advance, advance_path, mask_path
-from jaxgen.contracts import Drafter, DraftRequest, DraftState, Proposal
-from jaxgen.decode import choose_and_write
-from jaxgen.extensions import NO_EXTENSIONS, Extensions
-from jaxgen.output import GenerateOutput, StepRecord
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.constraints.automaton import advance, advance_path, mask_path
+from jaxgen.core.contracts import Drafter, DraftRequest, DraftState, Proposal
+from jaxgen.core.extensions import NO_EXTENSIONS, Extensions
+from jaxgen.core.output import GenerateOutput, StepRecord
+from jaxgen.core.speculative_stats import SpeculativeStats
+from jaxgen.core.state import DecodeState
+from jaxgen.core.step import mark_done, prefill, stop_flags
+from jaxgen.loops.decode import choose_and_write
 from jaxgen.speculative import verify
 from jaxgen.speculative.fallback import FallbackState, choose_width, gate_rows
 from jaxgen.speculative.positions import process_positions
-from jaxgen.speculative.stats import SpeculativeStats
-from jaxgen.state import DecodeState
-from jaxgen.step import mark_done, prefill, stop_flags
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
@@ -137,7 +137,7 @@ def _verify_forward(params, state: DecodeState, work: jax.Array, drafts: jax.Arr
 
 def _position_flags(cfg, state: DecodeState, tokens: jax.Array, out: jax.Array,
                     scores: jax.Array, raw: jax.Array, ext: Extensions):
-    """jaxgen.step.stop_flags at every emitted position j (token out[:, j] at index L + j),
+    """jaxgen.core.step.stop_flags at every emitted position j (token out[:, j] at index L + j),
     with the tokens up to and including j: StopFlags of bool [B, k+1]."""
     width = out.shape[1]
     new_length = state.length[:, None] + 1 + jnp.arange(width)[None, :]  # [B, k+1]
@@ -386,6 +386,11 @@ class SpeculativeLoop:
     drafter: Drafter
     ext: Extensions = NO_EXTENSIONS
     chunkable = True
+    takes_layer_tuples = True  # runs a cache held as per-layer buffers (cache.layer_forms)
+
+    def decode_rows(self, state: DecodeState, cfg: GenerationConfig) -> int | None:
+        """Rows of a plain step (verify forwards are wider)."""
+        return state.batch
 
     def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs: AssistInputs):
         state, carry, record = speculative_start(params, state, cfg, self.drafter, inputs,

@@ -10,7 +10,7 @@ runs unchanged.
 Example:
     >>> import jax.numpy as jnp
     >>> from types import SimpleNamespace
-    >>> from jaxgen.config import GenerationConfig
+    >>> from jaxgen.config.generation import GenerationConfig
     >>> rows = SimpleNamespace(prompt_len=jnp.array([1]), max_new=jnp.array([8]))
     >>> tokens = jnp.array([[3, 1, 0, 0]])        # 3 is the prompt, 1 a draft
     >>> raw = jnp.zeros((1, 2, 4))                # two verify positions, vocabulary 4
@@ -26,8 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgen.processors import process_logits
-from jaxgen.step import processor_context
+from jaxgen.core.step import processor_context
+from jaxgen.logits.chain import process_logits
 
 
 def process_positions(cfg, raw: jax.Array, tokens: jax.Array, length: jax.Array, rows,

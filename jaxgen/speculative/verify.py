@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgen.sampling import sample_rows
+from jaxgen.logits.sampling import sample_rows
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 

@@ -2,7 +2,7 @@
 
 For every prompt of a prompt set (jsonl, {"prompt": ...}), the target answers once greedily and
 `--samples` times at temperature 0.7 (the chat template applied as the CLI does:
-`jaxgen.text.encode_prompts(..., chat=True)`). One teacher-forced forward over each
+`jaxgen.api.text.encode_prompts(..., chat=True)`). One teacher-forced forward over each
 prompt + answer then records, per position, the final layer's hidden state (pre final norm)
 and the hidden state after each candidate exit layer E. The teacher's next-token distribution
 is the head applied to the final hidden state, recomputed at train time (576 numbers per
@@ -40,7 +40,7 @@ def answer_batches(model, params, rows, *, new_tokens, batch, temperature, seed)
     """Prompt + answer ids per row (EOS kept, padding dropped), generated `batch` rows at once."""
     import jax
 
-    from jaxgen.generate import generate_ids
+    from jaxgen.api.generate import generate_ids
 
     out = []
     for start in range(0, len(rows), batch):
@@ -106,8 +106,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    from jaxgen.api.text import encode_prompts
     from jaxgen.models import load, unstack_layers
-    from jaxgen.text import encode_prompts
 
     t0 = time.time()
     model, params, tokenizer = load(args.model)

@@ -8,7 +8,7 @@ model's at the same position (forward KL). The target is frozen; only the adapte
     # train and ship the adapter of layer E
     python -m jaxgen.train.exit_adapter --exit 10 --data /work/data/distill_train \
         --heldout /work/data/distill_heldout --ckpt /work/ckpt/exit10 \
-        --out models/weights/smollm2-135m-instruct-exit-adapters
+        --out jaxgen/models/weights/smollm2-135m-instruct-exit-adapters
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import numpy as np
 from jaxgen.models.exit_adapter import apply_exit_adapter, init_exit_adapter
 
 from .batches import DistillSet, position_batch
-from .losses import distill_loss
 from .loop import TrainConfig, train
+from .losses import distill_loss
 from .optim import OptimConfig
 from .standalone_draft import head_logits, target_frozen
 

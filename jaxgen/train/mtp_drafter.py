@@ -1,10 +1,10 @@
-"""The MTP drafter for SmolLM2-135M-Instruct (models/mtp_drafter.py, Gemma-4 style), trained on
+"""The MTP drafter for SmolLM2-135M-Instruct (jaxgen/models/mtp_drafter.py, Gemma-4 style), trained on
 the target's own state: its final hidden states, the K/V its last layer caches and its
 next-token distributions (self-distillation data from distill_data.py with the exit of the
 layer the drafter reads, e.g. --exits 29).
 
 One training example is every answer position P of a window at once, for `--draft-steps` K
-chained draft steps, exactly as the assisted loop drafts (jaxgen.speculative.mtp_assistant):
+chained draft steps, exactly as the assisted loop drafts (jaxgen.speculative.drafters.mtp_assistant):
 
     step 0   token x_P,     hidden h_{P-1} (the target's)  -> q_0, g_0    teacher: head(h_P)
     step i   token x_{P+i}, hidden g_{i-1} (its own)       -> q_i, g_i    teacher: head(h_{P+i})
@@ -21,7 +21,7 @@ projections start from a linear fit (linear_init), the layer from random.
 
     python -m jaxgen.train.mtp_drafter --data /work/data/distill_train \
         --vocab /work/data/draft_vocab.json --ckpt /work/ckpt/mtp \
-        --out models/weights/smollm2-135m-instruct-mtp-drafter
+        --out jaxgen/models/weights/smollm2-135m-instruct-mtp-drafter
 
 A stopped run resumes from --ckpt with the same batches and optimizer state.
 
@@ -52,12 +52,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.draft_vocab import restricted_logits
-from jaxgen.models.mtp_drafter import (MtpDrafterConfig, MtpDrafterModel,
-                                       drafter_with_draft_head)
+from jaxgen.models.mtp_drafter import (
+    MtpDrafterConfig,
+    MtpDrafterModel,
+    drafter_with_draft_head,
+)
 
 from .batches import DistillSet, sequence_batch
-from .losses import distill_loss
 from .loop import TrainConfig, add_run_arguments, train
+from .losses import distill_loss
 from .optim import OptimConfig
 
 
@@ -170,7 +173,7 @@ def make_loss(drafter: MtpDrafterModel, target, steps: int = 3):
 
 def save(drafter: MtpDrafterModel, params: dict, out: str, info: dict,
          dtype: str = "float16") -> str:
-    """The drafter folder (models/mtp_drafter_io.py) plus training.json."""
+    """The drafter folder (jaxgen/models/mtp_drafter_io.py) plus training.json."""
     from jaxgen.models.mtp_drafter_io import save_mtp_drafter
 
     params = {k: v for k, v in params.items() if k != "draft_head"}

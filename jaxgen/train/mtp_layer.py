@@ -1,4 +1,4 @@
-"""One trained MTP depth for SmolLM2-135M-Instruct (the checkpoint layout of models/mtp.py, used
+"""One trained MTP depth for SmolLM2-135M-Instruct (the checkpoint layout of jaxgen/models/mtp.py, used
 by `use_mtp=True`), trained by self-distillation on the target's own answers.
 
 Depth 0 at position q reads the token t_q and the target's final-normed hidden state at q - 1
@@ -6,7 +6,7 @@ and predicts t_{q+1}: its teacher is the target's own next-token distribution at
 on the target's hidden state h_q. On a window of T tokens every position is one example:
 
     student  depth 0 over tokens t_1 .. t_{T-1}, chained from norm(h_0) .. norm(h_{T-2}),
-             RoPE positions 1 .. T-1, cache slots 0 .. T-2 (exactly models/mtp.py's forward)
+             RoPE positions 1 .. T-1, cache slots 0 .. T-2 (exactly jaxgen/models/mtp.py's forward)
     teacher  head(norm(h_1)) .. head(norm(h_{T-1}))           (stored h: distill_data.py)
     loss     mean KL(teacher || student) over the answer positions, on a pruned draft
              vocabulary (teacher renormalised there): the shared head's rows for it only
@@ -21,8 +21,8 @@ q from [enorm(embed t_q); hnorm(norm h_{q-1})] (needs the data's layer_{L-1}: di
 0 already agrees with the target on many tokens.
 
     python -m jaxgen.train.mtp_layer --data /work/data/distill_mtp_layer \
-        --vocab models/weights/smollm2-135m-instruct-draft/draft_vocab.json \
-        --ckpt /work/ckpt/mtp_layer --out models/weights/smollm2-135m-instruct-mtp-layer
+        --vocab jaxgen/models/weights/smollm2-135m-instruct-draft/draft_vocab.json \
+        --ckpt /work/ckpt/mtp_layer --out jaxgen/models/weights/smollm2-135m-instruct-mtp-layer
 
 A stopped run resumes from --ckpt with the same batches and optimizer state. The shipped layer
 (reproduce.py mtp-layer: 299 prompts, 240 steps) agrees with the target's greedy token on
@@ -61,8 +61,8 @@ from jaxgen.models.mtp import mtp_cache, mtp_depth, target_normed
 from jaxgen.models.norms import rms_norm
 
 from .batches import DistillSet, sequence_batch
-from .losses import distill_loss
 from .loop import TrainConfig, add_run_arguments, train
+from .losses import distill_loss
 from .optim import OptimConfig
 
 __all__ = ["frozen_target", "init_from_target", "make_loss", "mtp_model", "save",

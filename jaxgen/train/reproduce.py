@@ -28,11 +28,26 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxgen.models.shipped_drafters import (DRAFT_NAME, EXIT_ADAPTERS_NAME, MTP_DRAFTER_NAME,
-                                            MTP_LAYER_NAME, UAD_DRAFT_NAME, WEIGHTS)
+from jaxgen.models.shipped_drafters import (
+    DRAFT_NAME,
+    EXIT_ADAPTERS_NAME,
+    MTP_DRAFTER_NAME,
+    MTP_LAYER_NAME,
+    UAD_DRAFT_NAME,
+    WEIGHTS,
+)
 
-from . import (distill_data, exit_adapter, mtp_drafter, mtp_layer, standalone_draft,
-               uad_corpus, uad_draft, uad_tokenizer, vocab)
+from . import (
+    distill_data,
+    exit_adapter,
+    mtp_drafter,
+    mtp_layer,
+    standalone_draft,
+    uad_corpus,
+    uad_draft,
+    uad_tokenizer,
+    vocab,
+)
 
 DRAFT_OUT = os.path.join(WEIGHTS, DRAFT_NAME)
 ADAPTER_OUT = os.path.join(WEIGHTS, EXIT_ADAPTERS_NAME)

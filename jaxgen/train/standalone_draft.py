@@ -8,7 +8,7 @@ Sizes (default): hidden 128, 4 layers, 4 heads of 32 (2 KV heads), MLP 384, tied
 
     python -m jaxgen.train.standalone_draft --data /work/data/distill_train \
         --heldout /work/data/distill_heldout --ckpt /work/ckpt/draft \
-        --out models/weights/smollm2-135m-instruct-draft
+        --out jaxgen/models/weights/smollm2-135m-instruct-draft
 
 A stopped run resumes from --ckpt with the same batches and optimizer state.
 """
@@ -28,8 +28,8 @@ from jaxgen.models import Llama, LlamaConfig
 from jaxgen.models.draft_vocab import restricted_logits
 
 from .batches import DistillSet, sequence_batch
-from .losses import distill_loss
 from .loop import TrainConfig, add_run_arguments, mean_metrics, train
+from .losses import distill_loss
 from .optim import OptimConfig
 
 

@@ -2,7 +2,7 @@
 as text, so that any tokenizer can re-tokenize them.
 
 Each jsonl row holds what the draft sees under universal assisted decoding: the target's prompt
-and answer decoded with special tokens skipped (jaxgen.uad_text decodes them that way before
+and answer decoded with special tokens skipped (jaxgen.speculative.uad.bridge decodes them that way before
 re-encoding with the draft's tokenizer).
 
     {"prompt": "How do bees make honey?", "kind": "greedy",
@@ -84,8 +84,8 @@ def main(argv=None) -> None:
     parser.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     args = parser.parse_args(argv)
 
+    from jaxgen.api.text import encode_prompts
     from jaxgen.models import load, unstack_layers
-    from jaxgen.text import encode_prompts
 
     model, params, tokenizer = load(args.model)
     prompts = read_prompts(args.prompts)

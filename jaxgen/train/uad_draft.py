@@ -11,7 +11,7 @@ bytes that never occur in UTF-8).
 
     python -m jaxgen.train.uad_draft --corpus /work/scratch/uad/corpus.jsonl \
         --tokenizer /work/scratch/uad/tokenizer.json --ckpt /work/scratch/uad/ckpt \
-        --out models/weights/smollm2-135m-instruct-uad-draft
+        --out jaxgen/models/weights/smollm2-135m-instruct-uad-draft
 
 A stopped run resumes from --ckpt with the same batches and optimizer state (loop.train).
 

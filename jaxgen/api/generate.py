@@ -1,0 +1,183 @@
+"""The entry points: `generate(params, state, cfg)` and `generate_ids(model, params, prompts)`.
+
+`generate` reads as validate -> plan -> run: the inputs are checked on the host (config,
+state, params, hooks), `jaxgen.api.plan.make_plan` chooses the loop, the driver and what is
+donated, and `jaxgen.api.plan.execute` runs it. One `jax.jit` per call; the state (and its
+cache) is donated, so a state is consumed by the call that decodes it (except for beam
+search). New prompts of the same bucket, new sampling values and new keys reuse the
+compiled program.
+
+Example:
+    >>> import jax, jaxgen
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
+    >>> rows = jaxgen.generate_ids(model, params, [[1, 2, 3], [4, 5]], max_new_tokens=4)
+    >>> [len(row) for row in rows]
+    [7, 6]
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxgen.api.plan import canonical_config, execute, make_plan
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.constraints.compile import resolve_constraint
+from jaxgen.core.output import GenerateOutput, outputs_to_lists
+from jaxgen.core.state import DecodeState, init_state
+from jaxgen.drivers.chunked import end_streamers
+from jaxgen.loops.guidance_inputs import guidance_buffer_len
+from jaxgen.runtime.compiled import trace_count
+
+CONSUMED = ("this state was consumed by an earlier generate call (its buffers were donated); "
+            "build a new one with init_state")
+
+
+def check_inputs(params, state: DecodeState, cfg: GenerationConfig) -> None:
+    """Host-side checks of generate's arguments, before anything compiles."""
+    if not isinstance(cfg, GenerationConfig):
+        raise TypeError(f"cfg must be a jaxgen.GenerationConfig, got {type(cfg).__name__}")
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"state must be a jaxgen.DecodeState (from jaxgen.init_state), got "
+                        f"{type(state).__name__}")
+    for leaf in jax.tree_util.tree_leaves(state):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
+                and leaf.is_deleted():
+            raise ValueError(CONSUMED)
+    cfg.validate_for_model(state.model.vocab_size)
+    copies = cfg.sample_copies
+    if state.batch % copies:
+        raise ValueError(f"the state has {state.batch} rows but num_return_sequences="
+                         f"{copies} with sampling needs a multiple: build the state with "
+                         f"init_state and this config")
+    cfg.validate_for_batch(state.batch // copies)
+    check_params = getattr(state.model, "check_params", None)
+    if callable(check_params):
+        check_params(params)
+
+
+def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
+             stopping_criteria=(), custom_generate=None, assistant_model=None,
+             num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
+             timings=None, tokenizer=None, assistant_tokenizer=None,
+             negative_prompt_ids=None, negative_prompt_attention_mask=None,
+             prefix_allowed_tokens_fn=None, layout="auto") -> GenerateOutput:
+    """Decodes every row of `state` to completion under `cfg`. Consumes `state`.
+
+    logits_processor / stopping_criteria / custom_generate: user hooks, static for the jit
+    (see jaxgen.core.extensions).
+    assistant_model: `(model, params)` of a draft model with the target's vocabulary: assisted
+    (speculative) decoding, greedy or sampling (jaxgen.speculative). A config with
+    `prompt_lookup_num_tokens` runs prompt lookup decoding without one.
+    num_assistant_tokens: optional per-row int32 [B] (or one int) starting draft length, e.g.
+    a previous output's `speculative.num_assistant_tokens` ("heuristic" schedule); dynamic.
+    tokenizer / assistant_tokenizer: the target's and the assistant's tokenizers (jaxgen.models'
+    Tokenizer or a raw tokenizers.Tokenizer) for an assistant with another vocabulary:
+    universal assisted decoding (jaxgen.drivers.uad), greedy as Hugging Face aligns it, or
+    lossless sampling across vocabularies.
+    streamer: a jaxgen.drivers.streamers streamer (batch 1) or one per row; with `cfg.max_time` or a
+    `stop_event` (threading.Event) it runs the chunked driver (jaxgen.drivers.chunked), `chunk_size`
+    steps per jit call, with identical tokens. Streamers are ended on every exit path (an
+    error reaches an iterator streamer's consumer). timings: an optional
+    jaxgen.drivers.chunked.ChunkTimings filled in by the chunked driver.
+    negative_prompt_ids / negative_prompt_attention_mask: classifier-free guidance's
+    unconditional prompts (cfg.guidance_scale != 1; HF's generate arguments): id lists, or a
+    left-padded [B, S] array with its mask; one, or one per prompt (jaxgen.loops.guidance_inputs).
+    prefix_allowed_tokens_fn: HF's `fn(batch_id, input_ids) -> allowed ids`, called on the
+    host for every row before every token (greedy / sampling; the chunked driver one step per
+    call, jaxgen.drivers.prefix_hook). The compiled form is a token automaton in the state
+    (init_state(constraint=...), jaxgen.constraints.automaton), which every mode applies.
+    layout: "auto" (the default: the backend of this process lays the weights out, e.g. per
+    layer with native kernels on XLA:CPU), "portable" (no backend preparation: the program a
+    GPU or TPU runs) or "split" (the CPU layouts whatever the model's size); static, part of
+    the compiled program's key (jaxgen.runtime.backend). Tokens are the same in every layout.
+    """
+    try:
+        check_inputs(params, state, cfg)
+        plan = make_plan(state, cfg, logits_processor=logits_processor,
+                         stopping_criteria=stopping_criteria, custom_generate=custom_generate,
+                         assistant_model=assistant_model,
+                         num_assistant_tokens=num_assistant_tokens, streamer=streamer,
+                         stop_event=stop_event, chunk_size=chunk_size, timings=timings,
+                         tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer,
+                         negative_prompt_ids=negative_prompt_ids,
+                         negative_prompt_attention_mask=negative_prompt_attention_mask,
+                         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, layout=layout)
+    except BaseException as error:
+        end_streamers(streamer, error)
+        raise
+    return execute(plan, params, state, cfg)  # a streamer implies the chunked driver, which
+    #                                           ends its streamers on every path
+
+
+def default_config(model, cfg: GenerationConfig | None = None, **overrides: Any) -> GenerationConfig:
+    """HF's resolution: the model's generation_config.json, its special ids, then overrides."""
+    model_cfg = getattr(model, "config", None)
+    if cfg is not None:
+        cfg = cfg.replace(**overrides) if overrides else cfg
+        missing = {name: getattr(model_cfg, name, None)
+                   for name in ("eos_token_id", "pad_token_id", "bos_token_id")
+                   if getattr(cfg, name) is None and getattr(model_cfg, name, None) is not None}
+        return cfg.replace(**missing) if missing else cfg
+    base = dict(getattr(model_cfg, "generation_defaults", ()) or ())
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if base.get(name) is None and getattr(model_cfg, name, None) is not None:
+            base[name] = getattr(model_cfg, name)
+    base.update(overrides)
+    return GenerationConfig.from_dict(base)
+
+
+def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *, key=None,
+                 tokenizer=None, logits_processor=(), stopping_criteria=(),
+                 custom_generate=None, assistant_model=None, assistant_tokenizer=None,
+                 streamer=None, stop_event=None, mesh=None, negative_prompt_ids=None,
+                 negative_prompt_attention_mask=None, regex=None, json_schema=None,
+                 choices=None, constraint=None, prefix_allowed_tokens_fn=None,
+                 layout="auto", **overrides: Any) -> list[list[int]]:
+    """Prompt + generated ids per row, padding removed (HF's output, row by row).
+
+    assistant_model: `(model, params)` of a draft model: assisted decoding (see `generate`).
+    tokenizer: needed for stop_strings, and with `assistant_tokenizer` (the assistant's) for
+    an assistant with another tokenizer (universal assisted decoding).
+    logits_processor / stopping_criteria / custom_generate: user hooks (jaxgen.core.extensions).
+    mesh: a ("data", "model") jax.sharding.Mesh: rows and KV cache sharded over it
+    (init_state(..., mesh=)); pass params placed by jaxgen.models.shard.
+    negative_prompt_ids / negative_prompt_attention_mask: classifier-free guidance's
+    unconditional prompts (see `generate`); the buffer is sized to hold them.
+    regex / json_schema / choices: constrained generation (one of them; needs tokenizer=):
+    compiled to a token automaton for the tokenizer (jaxgen.constraints.compile, cached) that
+    every mode applies; constraint: a prebuilt jaxgen.constraints.automaton.TokenAutomaton.
+    prefix_allowed_tokens_fn: HF's host function instead (see `generate`).
+    layout: the programs' weight layout (see `generate`).
+    """
+    try:
+        cfg = default_config(model, cfg, **overrides)
+        constraint = resolve_constraint(model, tokenizer, regex=regex, json_schema=json_schema,
+                                        choices=choices, constraint=constraint,
+                                        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        state = init_state(model, prompts, cfg, key, tokenizer=tokenizer, mesh=mesh,
+                           constraint=constraint)
+        wider = guidance_buffer_len(state, cfg, negative_prompt_ids,
+                                    negative_prompt_attention_mask)
+        if wider is not None:  # the negative prompts need a longer buffer than the prompts
+            state = init_state(model, prompts, cfg, key, tokenizer=tokenizer, mesh=mesh,
+                               buffer_len=wider, constraint=constraint)
+    except BaseException as error:
+        end_streamers(streamer, error)
+        raise
+    return outputs_to_lists(generate(params, state, cfg, logits_processor=logits_processor,
+                                     stopping_criteria=stopping_criteria,
+                                     custom_generate=custom_generate,
+                                     assistant_model=assistant_model, streamer=streamer,
+                                     stop_event=stop_event, tokenizer=tokenizer,
+                                     assistant_tokenizer=assistant_tokenizer,
+                                     negative_prompt_ids=negative_prompt_ids,
+                                     negative_prompt_attention_mask=(
+                                         negative_prompt_attention_mask),
+                                     prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                                     layout=layout))
+
+
+__all__ = ["GenerateOutput", "generate", "generate_ids", "default_config", "trace_count",
+           "outputs_to_lists", "canonical_config", "check_inputs"]

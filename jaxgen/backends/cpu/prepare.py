@@ -1,0 +1,75 @@
+"""The CPU backend's preparation of a compiled generate call: what `jaxgen.runtime.backend`
+calls, and the only entry into this package.
+
+    layout_plan(model, params, rows, layout)   host: how the weights are laid out (None: as
+                                               they are); hashable, so a laid-out copy can be
+                                               kept per params and plan
+    layout_pieces(params, plan)                traced: the arrays the layout computes
+    with_layout(params, pieces, plan)          host or traced: params in that layout
+    prepare(model, params, state, rows,        traced, at the top of the program: params laid
+            layer_tuples, layout)              out (unless laid out already) and, with per-layer
+                                               weights, the cache held as per-layer buffers
+    finish(state)                              traced, at the end: the cache stacked back (the
+                                               caller's form, so donated buffers alias)
+    register_native_targets()                  the kernels' FFI targets, before a stored
+                                               program that may call them is loaded
+
+Example:
+    >>> import jaxgen
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
+    >>> layout_plan(model, params, rows=1, layout="auto") is None      # small: as it is
+    True
+    >>> sorted(layout_plan(model, params, rows=1, layout="split"))     # forced: split per layer
+    ['fuse', 'kernel', 'rowwise']
+"""
+from __future__ import annotations
+
+from jaxgen.backends.cpu import layer_split
+from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
+
+
+def layout_plan(model, params, rows: int | None, layout: str) -> tuple | None:
+    """`layer_split.decoding_plan` as sorted (keyword, value) pairs, or None."""
+    plan = layer_split.decoding_plan(model, params, rows, layout)
+    return None if plan is None else tuple(sorted(plan.items()))
+
+
+def layout_pieces(params, plan: tuple):
+    """The arrays the plan computes from params, each once (a compiled call returns them)."""
+    return layer_split.split_pieces(params, **dict(plan))
+
+
+def with_layout(params, pieces, plan: tuple):
+    """params laid out as `layout_pieces` computed them (no array work)."""
+    return layer_split.with_split_pieces(params, pieces, kernel=dict(plan)["kernel"])
+
+
+def prepare(model, params, state, rows: int | None, layer_tuples: bool, layout: str):
+    """(params, state) as the program runs them: weights laid out for decoding and, when the
+    forward unrolls per-layer weights and the loop takes it (`layer_tuples`), the cache held
+    as one buffer per layer (XLA:CPU copies a stacked layer's slice before every matmul that
+    reads it)."""
+    decoded = layer_split.for_decoding(model, params, rows=rows, layout=layout)
+    unrolled = isinstance(decoded, dict) and isinstance(decoded.get("layers"), (list, tuple))
+    if unrolled and layer_tuples:
+        state = state.replace(cache=to_layer_tuples(state.cache))
+    return decoded, state
+
+
+def finish(state):
+    """The state with its cache stacked back (a no-op for stacked caches)."""
+    if not hasattr(state, "cache"):  # None, or a loop state without a cache
+        return state
+    return state.replace(cache=to_stacked_layers(state.cache))
+
+
+def register_native_targets() -> None:
+    """Registers the few-row kernel's FFI target (building it once per machine)."""
+    from jaxgen.backends.cpu.kernels.build import ffi_target
+
+    ffi_target()
+
+
+__all__ = ["finish", "layout_pieces", "layout_plan", "prepare", "register_native_targets",
+           "with_layout"]

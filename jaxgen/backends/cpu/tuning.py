@@ -1,0 +1,28 @@
+"""The constants tuned on CPU hosts: where each XLA:CPU path pays (measured on SmolLM2-135M,
+2 vCPUs; `benchmarks/` reproduces each figure).
+
+Example:
+    >>> STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS > ROWWISE_MAX_ROWS >= HEAD_BY_VOCAB_MIN_ROWS
+    True
+"""
+from __future__ import annotations
+
+# Few-row kernel (kernel_matrix.py): more rows run XLA's matrix-matrix product (16 rows: the
+# kernel 1.7x faster, 32: 1.15x).
+KERNEL_MAX_ROWS = 32
+# A layer of a stack: XLA's product would first copy the layer out of the stack (a dot reads
+# whole buffers; SmolLM2's 30 layers: 150-240 ms a pass), so the kernel runs further (30 layers,
+# Zen 4: 48 rows 127 vs 221 ms, 96: 209 vs 289, 192: 343 vs 369, 256: 490 vs 474).
+STACKED_KERNEL_MAX_ROWS = 192
+# Row by row (rowwise.py): up to this many rows run one matrix-vector product each (8 rows: no
+# gain).
+ROWWISE_MAX_ROWS = 4
+# "auto" splits stacked layer weights of at least this many bytes (smaller models' steps are
+# bound by per-op overhead, not by weight reads, and keep the scan's short compile).
+SPLIT_MIN_BYTES = 16 << 20
+# A tied head's [D, V] copy is read by forwards of fewer rows than this; more rows read the
+# embedding [V, D] itself (tied_head.py).
+HEAD_BY_VOCAB_MIN_ROWS = 3
+
+__all__ = ["HEAD_BY_VOCAB_MIN_ROWS", "KERNEL_MAX_ROWS", "ROWWISE_MAX_ROWS",
+           "SPLIT_MIN_BYTES", "STACKED_KERNEL_MAX_ROWS"]

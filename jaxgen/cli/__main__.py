@@ -1,0 +1,4 @@
+"""`python -m jaxgen.cli`: the `jaxgen` command."""
+from jaxgen.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Constrained decoding: a regex / JSON schema compiled to a token automaton of arrays."""

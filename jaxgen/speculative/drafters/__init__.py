@@ -1,0 +1,1 @@
+"""Drafters, one module per kind; each honours `jaxgen.core.contracts.Drafter`."""

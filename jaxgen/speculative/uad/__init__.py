@@ -1,0 +1,1 @@
+"""Universal assisted decoding: a drafter with another tokenizer, bridged through text."""
