@@ -84,7 +84,7 @@ def main() -> None:
     from bench_speed import write_f32_gguf
 
     from jaxgen.models.hf_export import hf_from_jaxgen
-    from jaxgen.models.registry import embedded_path
+    from jaxgen.models.embedded import embedded_path
 
     torch.set_num_threads(args.threads)
     model, params, tokenizer = load(DEFAULT_MODEL)

@@ -33,9 +33,9 @@ import numpy as np
 from report_table import table_header, table_row
 
 from jaxgen.config.generation import GenerationConfig
+from jaxgen.config.watermarking import SynthIDTextWatermarkingConfig, WatermarkingConfig
 from jaxgen.logits.chain import ProcessorContext, process_logits
-from jaxgen.logits.watermark.green_list import WatermarkingConfig, self_green_table
-from jaxgen.logits.watermark.synthid import SynthIDTextWatermarkingConfig
+from jaxgen.logits.watermark.green_list import self_green_table
 
 HISTORY = 512
 

@@ -351,7 +351,7 @@ def main() -> None:
     import torch
 
     from jaxgen.models.hf_export import hf_from_jaxgen
-    from jaxgen.models.registry import embedded_path
+    from jaxgen.models.embedded import embedded_path
 
     torch.set_num_threads(args.threads)
     hf = hf_from_jaxgen(model, stacked)

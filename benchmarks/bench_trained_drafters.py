@@ -169,7 +169,7 @@ def llama_cpp_costs(drafts) -> dict | None:
         return None
     from bench_speed import llama_cpp_forward_seconds, write_f32_gguf
 
-    from jaxgen.models.registry import embedded_path
+    from jaxgen.models.embedded import embedded_path
 
     with tempfile.TemporaryDirectory() as folder:
         path = write_f32_gguf(embedded_path(DEFAULT_MODEL), os.path.join(folder, "f32.gguf"))

@@ -25,7 +25,7 @@ assistant inputs, round arrays, the drafts' re-encoding and alignment) on a fixe
 continuation, without the device: the per-round overhead UAD adds, by batch size.
 
 With --draft-model NAME it runs a trained draft with its own tokenizer instead of the built
-one (smollm2-135m-instruct-uad-draft: jaxgen.train.uad_draft); --hf-batch also times
+one (smollm2-135m-instruct-uad-draft: jaxgen.train.fit_uad_draft); --hf-batch also times
 transformers' UAD on the --batch prompts, one row after the other (it has no batched UAD), and
 each transformers row reports jaxgen UAD's speed-up over it.
 

@@ -10,11 +10,10 @@ from jaxgen.api.generate import default_config, generate, generate_ids, trace_co
 from jaxgen.api.text import generate_text
 from jaxgen.cache import KVCache
 from jaxgen.config.generation import GenerationConfig
+from jaxgen.config.watermarking import SynthIDTextWatermarkingConfig, WatermarkingConfig
 from jaxgen.core.output import GenerateOutput
 from jaxgen.core.state import DecodeState, init_state
 from jaxgen.logits.watermark.detect import WatermarkDetector
-from jaxgen.logits.watermark.green_list import WatermarkingConfig
-from jaxgen.logits.watermark.synthid import SynthIDTextWatermarkingConfig
 from jaxgen.logits.watermark.synthid_detect import SynthIDTextDetector
 from jaxgen.stopping.criteria import (
     ConfidenceCriteria,

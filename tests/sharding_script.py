@@ -33,7 +33,7 @@ import jaxgen
 from jaxgen.models import tiny_llama, unstack_layers
 from jaxgen.models.exit_adapter import init_exit_adapter
 from jaxgen.models.quantize import quantize_params
-from jaxgen.models.sharding import shard
+from jaxgen.models.param_sharding import shard
 
 MESHES = ((1, 8), (2, 4), (8, 1))
 CHECKS: dict[str, dict] = {}

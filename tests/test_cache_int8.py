@@ -10,7 +10,7 @@ import jaxgen
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.int8 import dequantize, hadamard, pack4, quantize, unpack4
 from jaxgen.config.generation import GenerationConfig
-from jaxgen.models.quantize_check import TIE_GAP
+from jaxgen.api.quantized_agreement import TIE_GAP
 
 PROMPTS = [
     "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
@@ -132,7 +132,7 @@ def agreement_report(model, params, tok, prompts, new_tokens, cache_config=None)
     logp = jax.nn.log_softmax(ref, -1)
     logq = jax.nn.log_softmax(got, -1)
     kl = np.asarray(jnp.sum(jnp.exp(logp) * (logp - logq), -1))  # [B, n]
-    # jaxgen/models/quantize_check.py's rule: a row agrees when its continuation equals the dense
+    # jaxgen/api/quantized_agreement.py's rule: a row agrees when its continuation equals the dense
     # one or first departs where the dense logit of the quantized choice is within TIE_GAP
     # of the dense top logit (up to there the prefixes, so the teacher-forced logits, match)
     near_tie = []
@@ -182,7 +182,7 @@ def test_int8_smollm2_greedy_agreement_20_prompts_x_128(smollm2):
     # < 0.005, and one flip there makes every later position of the row differ),
     # teacher-forced 0.997, mean KL 1.7e-4, max |diff| 0.8, bytes 0.297. Unrotated per-token
     # absmax: free-running 0.55, 0.988, 1.2e-3, 3.6. So rows are judged by where they first
-    # depart (jaxgen/models/quantize_check.py's near-tie rule), and free-running agreement only
+    # depart (jaxgen/api/quantized_agreement.py's near-tie rule), and free-running agreement only
     # has to stay well above the unrotated scheme's.
     assert report["rows_equal_or_near_tie"] >= 0.95
     assert report["free_running"] >= 0.65

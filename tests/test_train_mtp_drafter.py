@@ -1,4 +1,4 @@
-"""MTP-drafter training (jaxgen/train/mtp_drafter.py): the training forward is the assisted
+"""MTP-drafter training (jaxgen/train/fit_mtp_drafter.py): the training forward is the assisted
 loop's draft steps, its loss falls, the export loads with its draft vocabulary; the shipped
 SmolLM2 drafter is lossless (slow)."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from distill_fixtures import LENGTH, VOCAB, repetitive_target_set
 from jaxgen.models import tiny_llama
 from jaxgen.models.mtp_drafter import MtpDrafterModel, drafter_with_draft_head
 from jaxgen.models.mtp_drafter_io import load_mtp_drafter
-from jaxgen.train import mtp_drafter as recipe
+from jaxgen.train import fit_mtp_drafter as recipe
 from jaxgen.train.batches import sequence_batch
-from jaxgen.train.loop import TrainConfig, train
+from jaxgen.train.trainer import TrainConfig, train
 from jaxgen.train.optim import OptimConfig
 
 

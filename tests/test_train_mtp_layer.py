@@ -1,4 +1,4 @@
-"""MTP-layer training (jaxgen/train/mtp_layer.py): the training forward is jaxgen/models/mtp.py's depth
+"""MTP-layer training (jaxgen/train/fit_mtp_layer.py): the training forward is jaxgen/models/mtp.py's depth
 0, the loss falls, a stopped run resumes exactly, the export attaches as params["mtp"]; the
 shipped SmolLM2 MTP layer is lossless with use_mtp and accepts far more than a random one
 (slow)."""
@@ -12,9 +12,9 @@ from distill_fixtures import LENGTH, VOCAB, repetitive_target_set
 
 from jaxgen.models.mtp import teacher_forced_logits
 from jaxgen.models.shipped_drafters import attach_mtp_layer
-from jaxgen.train import mtp_layer as recipe
+from jaxgen.train import fit_mtp_layer as recipe
 from jaxgen.train.batches import sequence_batch
-from jaxgen.train.loop import TrainConfig, train
+from jaxgen.train.trainer import TrainConfig, train
 from jaxgen.train.optim import OptimConfig
 
 

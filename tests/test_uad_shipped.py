@@ -1,4 +1,4 @@
-"""The shipped other-tokenizer draft for SmolLM2-135M-Instruct (jaxgen.train.uad_draft):
+"""The shipped other-tokenizer draft for SmolLM2-135M-Instruct (jaxgen.train.fit_uad_draft):
 it loads by name with its own tokenizer (another vocabulary, other merges, text round-trips),
 and greedy universal assisted decoding with it equals plain greedy on SmolLM2 (slow set)."""
 from __future__ import annotations

@@ -16,9 +16,10 @@ from transformers.generation.logits_process import WatermarkLogitsProcessor
 
 import jaxgen
 from jaxgen.config.generation import GenerationConfig
+from jaxgen.config.watermarking import WatermarkingConfig
 from jaxgen.logits.chain import ProcessorContext, process_logits
 from jaxgen.logits.watermark.detect import WatermarkDetector
-from jaxgen.logits.watermark.green_list import WatermarkingConfig, green_list_bias
+from jaxgen.logits.watermark.green_list import green_list_bias
 from jaxgen.logits.watermark.rng import randperm_prefix
 from tests.stubs import BigramStub, random_table
 

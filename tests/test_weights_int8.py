@@ -1,5 +1,5 @@
 """Weight-only int8 (`load(..., weights="int8")`, jaxgen/models/quantize.py): the matmul's error
-bound, greedy closeness to fp32 by the near-tie rule (jaxgen/models/quantize_check.py), bad values
+bound, greedy closeness to fp32 by the near-tie rule (jaxgen/api/quantized_agreement.py), bad values
 refused before loading, one compilation, both layouts."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import jaxgen
 from jaxgen.models import load, tiny_llama, unstack_layers
 from jaxgen.models.quantize import Int8Matrix, quantize_matrix, quantize_params
-from jaxgen.models.quantize_check import greedy_agreement
+from jaxgen.api.quantized_agreement import greedy_agreement
 
 
 def sharp_tiny():

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxgen.config.checks import check_int
+from jaxgen.config.fields import check_int
 from jaxgen.config.generation import (
     DYNAMIC_FIELDS,
     DYNAMIC_INT_FIELDS,
@@ -65,12 +65,12 @@ from jaxgen.loops.guidance import GuidedLoop
 from jaxgen.loops.guidance_inputs import guidance_request
 from jaxgen.runtime import compiled
 from jaxgen.runtime.backend import check_layout
-from jaxgen.speculative.loop import AssistInputs, SpeculativeLoop
 from jaxgen.speculative.drafters.draft_model import DraftModelDrafter
 from jaxgen.speculative.drafters.early_exit import EarlyExitDrafter
 from jaxgen.speculative.drafters.mtp_assistant import MtpAssistantDrafter
 from jaxgen.speculative.drafters.mtp_layers import MtpDrafter
 from jaxgen.speculative.drafters.prompt_lookup import PromptLookupDrafter
+from jaxgen.speculative.loop import AssistInputs, SpeculativeLoop
 from jaxgen.speculative.uad.bridge import universal_assistant
 from jaxgen.speculative.uad.drafter import UadDrafter
 

@@ -39,18 +39,15 @@ try:
 except ImportError:  # not POSIX: no lock
     fcntl = None
 
-# The command's exit codes and its one-line error, shared with jaxgen.cli.main (which imports them
-# from here: this module never imports jaxgen.cli.main, so there is no import circle).
-EXIT_RUNTIME, EXIT_USAGE, EXIT_MODEL, EXIT_INPUT = 1, 2, 3, 4
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
-
-
-class CliError(Exception):
-    """A one-line error with its exit code."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
+from jaxgen.cli.errors import (  # noqa: F401  (the codes are re-exported)
+    EXIT_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_MODEL,
+    EXIT_RUNTIME,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    CliError,
+)
 
 RESULT_FIELDS = ("input_line", "completion", "new_tokens", "stop_reason")
 
@@ -537,6 +534,9 @@ def _generate_all(args, records, done, sink, load_model, make_config) -> int:
         if note and not args.quiet:
             print(f"jaxgen: note: {note}", file=sys.stderr)
     base_key = jax.random.key(args.seed)
+    from jaxgen.cli.layouts import program_layout
+
+    layout = program_layout(args)
     written, total_new, start = len(done), 0, time.perf_counter()
     with StopOnSignal() as stop, tqdm(total=len(records), initial=len(done), unit="prompt",
                                       file=sys.stderr, disable=args.quiet) as bar:
@@ -547,7 +547,7 @@ def _generate_all(args, records, done, sink, load_model, make_config) -> int:
             indices = jnp.asarray([r.index for r in chunk], jnp.uint32)
             keys = jax.vmap(lambda i: jax.random.fold_in(base_key, i))(indices)
             state = jaxgen.init_state(model, batch_rows, cfg, keys)
-            out = jaxgen.generate(params, state, cfg, stop_event=stop.event)
+            out = jaxgen.generate(params, state, cfg, stop_event=stop.event, layout=layout)
             reasons = np.asarray(out.stop_reason).reshape(-1)
             if (reasons == stopping.CANCELLED).any():
                 break  # the interrupted batch is not written

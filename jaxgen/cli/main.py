@@ -34,22 +34,17 @@ import sys
 import time
 
 from jaxgen.cli.assisted import METHODS
-from jaxgen.cli.batch import (  # noqa: F401
+from jaxgen.cli.batch import run_batch
+from jaxgen.cli.errors import (  # noqa: F401  (the codes are part of this module's interface)
     EXIT_INPUT,
     EXIT_INTERRUPTED,
     EXIT_MODEL,
     EXIT_RUNTIME,
     EXIT_USAGE,
     CliError,
-    run_batch,
 )
+from jaxgen.cli.layouts import STACKED_MAX_NEW_TOKENS, choose_layout, program_layout
 from jaxgen.models.quantize import WEIGHT_FORMATS
-
-# --layout auto: one answer of up to this many new tokens runs the stacked layout. Measured
-# (benchmarks/bench_cli.py): stacked compiles ~2x faster and a warm start costs ~1.6 CPU-s
-# less; unstacked decodes ~1.7x faster (about 36 ms less CPU per token), so unstacked wins
-# from ~45 new tokens on a warm cache and ~200 on a cold one
-STACKED_MAX_NEW_TOKENS = 256
 
 INT32_MAX = 2**31 - 1
 
@@ -150,21 +145,11 @@ def _overrides(args, model) -> dict:
     return fields
 
 
-def choose_layout(args) -> str:
-    """"stacked" or "unstacked" for this run (--layout, else by request size)."""
-    if args.layout != "auto":
-        return args.layout
-    if args.input or args.chat:  # many answers from one load: decode speed wins
-        return "unstacked"
-    return "stacked" if args.max_new_tokens <= STACKED_MAX_NEW_TOKENS else "unstacked"
-
-
 def load_model(args):
     import jax.numpy as jnp
 
     from jaxgen import models
     from jaxgen.cli.compile_cache import model_cache_dir
-    from jaxgen.models import layer_split
 
     name = args.model or models.DEFAULT_MODEL
     started = time.perf_counter()
@@ -179,8 +164,6 @@ def load_model(args):
                        EXIT_MODEL)
     if choose_layout(args) == "unstacked":
         params = models.unstack_layers(model, params)
-    else:  # run the scan over stacked layers as it is (no split per call: shortest compile)
-        os.environ[layer_split.LAYOUT_VARIABLE] = "stacked"
     args.load_s = time.perf_counter() - started
     return model, params, tokenizer
 
@@ -285,7 +268,7 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
                         assistant_tokenizer=draft_tokenizer)
     out = jaxgen.generate(params, state, cfg, streamer=Printer(tokenizer, skip_prompt=True,
                                                                skip_special_tokens=True),
-                          timings=timings, **assisted)
+                          timings=timings, layout=program_layout(args), **assisted)
     try:
         check_logits_valid(out.stop_reason, 1)
     except InvalidLogitsError:
@@ -385,9 +368,6 @@ def _one_line(text: str) -> str:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from jaxgen.backends.cpu.layer_split import LAYOUT_VARIABLE
-
-    layout_before = os.environ.get(LAYOUT_VARIABLE)  # load_model may set it
     try:
         if argv is None and len(sys.argv) == 1 and sys.stdin.isatty():
             build_parser().print_help()
@@ -409,10 +389,6 @@ def main(argv=None) -> int:
         stored = sys.modules.get("jaxgen.runtime.executable_cache")
         if stored is not None:  # in-process callers (tests) get plain jit calls back
             stored.disable()
-        if layout_before is None:  # and the layer layout setting they had
-            os.environ.pop(LAYOUT_VARIABLE, None)
-        else:
-            os.environ[LAYOUT_VARIABLE] = layout_before
         if argv is None:  # the command: the process exits next. Frozen objects are not
             gc.freeze()   # traversed by the collections at exit (~0.4 CPU-s less, measured)
 

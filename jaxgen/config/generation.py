@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.config.checks import check_bool, check_float, check_int
-from jaxgen.config import checks as config_checks
-from jaxgen.logits.watermark.green_list import parse_watermarking_config
+from jaxgen.config import fields as config_checks
+from jaxgen.config.fields import check_bool, check_float, check_int
+from jaxgen.config.watermarking import parse_watermarking_config
 
 # The implemented fields, with the defaults Hugging Face applies to fields left unset
 # (GenerationConfig._get_default_generation_params), plus a few jaxgen-specific fields

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +43,10 @@ from jaxgen.cache.sharding import (
     check_mesh,
     replicated,
 )
-from jaxgen.config.checks import check_int
+from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.automaton import ConstraintCarry, TokenAutomaton, start_carry
 from jaxgen.stopping.strings import StopStringTables
-
-if TYPE_CHECKING:  # annotation only: the loops (a floor above) define the carry
-    from jaxgen.speculative.loop import SpecCarry
-
 
 MIN_PROMPT_BUCKET = 16
 
@@ -70,7 +66,7 @@ class DecodeState:
     prompt_bucket: int = dataclasses.field(metadata=dict(static=True))
     pad_token_id: int = dataclasses.field(metadata=dict(static=True))
     stop_tables: Optional[StopStringTables] = None  # when cfg.stop_strings is set
-    spec: Optional["SpecCarry"] = None  # assisted mode, final state: draft state and stats
+    spec: Any = None  # assisted mode, final state: the loop's carry (speculative.loop.SpecCarry)
     constraint: Optional[ConstraintCarry] = None  # token automaton + each row's state [B]
 
     @property

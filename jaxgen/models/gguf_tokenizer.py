@@ -8,7 +8,7 @@ the same pre-tokenizer HF's SmolLM2 tokenizer.json declares. Plain "gpt2"/"defau
 the byte-level regex. Special tokens are those with token_type CONTROL (3) or USER_DEFINED (4).
 
 Example (illustration: reading the embedded SmolLM2 vocabulary takes a few seconds):
-    >>> from jaxgen.models.registry import DEFAULT_MODEL, embedded_path
+    >>> from jaxgen.models.embedded import DEFAULT_MODEL, embedded_path
     >>> tok = load_gguf_tokenizer(embedded_path(DEFAULT_MODEL))   # doctest: +SKIP
     >>> tok.encode("<|im_start|>user")                            # doctest: +SKIP
     [1, 4093]

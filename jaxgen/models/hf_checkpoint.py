@@ -38,6 +38,7 @@ from jaxgen.models.llama import Llama, LlamaConfig, checked_params, param_shapes
 from jaxgen.models.mtp_checkpoint import read_mtp_tensors
 from jaxgen.models.mtp_layout import mtp_shapes
 from jaxgen.models.safetensors_io import TensorFiles, open_safetensors
+from jaxgen.models.tokenizer import Tokenizer
 
 # Tensors HF checkpoints may carry that are not weights: the RoPE tables older Llama code
 # saved per layer (recomputed from the config here). Skipped without error.
@@ -177,3 +178,10 @@ def load_hf_checkpoint(folder: str, dtype=jnp.float32, *,
     tensors = read_hf_tensors(folder)
     return Llama(config), hf_to_params(config, tensors, dtype, allowed_extra=allowed_extra,
                                        where=folder)
+
+
+def load_hf(folder: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | None]:
+    """(model, params, tokenizer) from a HF folder; tokenizer is None without tokenizer.json."""
+    model, params = load_hf_checkpoint(folder, dtype)
+    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None

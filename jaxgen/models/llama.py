@@ -478,7 +478,7 @@ class Llama:
         cfg = self.config
         batch, seq, _ = x.shape
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)  # [B, S, D]
-        if "wqkv" in p:  # layer_split.fuse_projections' one matrix
+        if "wqkv" in p:  # a backend's fused projections: one matrix
             q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             qkv = h @ p["wqkv"]  # [B, S, (H + 2K) * Dh]
             q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)  # [B, S, H*Dh], ...
@@ -503,7 +503,7 @@ class Llama:
             out = out + p["bo"]
         x = x + out  # [B, S, D]
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)  # [B, S, D]
-        if "w_gate_up" in p:  # layer_split.fuse_projections' one matrix
+        if "w_gate_up" in p:  # a backend's fused projections: one matrix
             gate, up = jnp.split(h @ p["w_gate_up"], 2, axis=-1)  # [B, S, F] each
         else:
             gate, up = h @ p["w_gate"], h @ p["w_up"]  # [B, S, F] each

@@ -10,7 +10,7 @@ row of them, and a tied head gets its own quantized [D, V] copy.
 
 On XLA:CPU the int8 -> float conversion is not fused into the dot: the program converts
 each matrix to float32 before the matmul. Compiled generate calls on a CPU therefore run
-these products through the native quantized kernel (`jaxgen/backends/cpu/quantized_kernel_matrix.py`,
+these products through the CPU backend's native quantized kernel (`jaxgen.runtime.backend`,
 codes widened in registers: SmolLM2 batch 1 1.8-2.1x the fp32 tokens/s,
 benchmarks/bench_speed.py); on accelerators the conversion fuses into the matmul.
 

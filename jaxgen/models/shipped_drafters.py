@@ -16,7 +16,7 @@
                                          mtp.safetensors in HF MtpModel names at layer index
                                          30), attached as params["mtp"]: use_mtp=True
 
-The registry calls `load_shipped_draft` / `load_shipped_mtp_drafter` for their names and
+The registry calls `load_shipped_draft` / `load_shipped_mtp_drafter` (registry.py) for their names and
 `attach_exit_adapters` / `attach_mtp_layer` on the default model.
 
 Example:
@@ -61,7 +61,7 @@ def load_shipped_draft(dtype=jnp.float32, pruned: bool = False, folder: str | No
     vocabulary (logits only for those rows, -inf elsewhere) and params carry the contiguous
     "draft_head"."""
     from jaxgen.models.draft_vocab import DraftVocabModel, with_draft_head
-    from jaxgen.models.registry import load_hf
+    from jaxgen.models.hf_checkpoint import load_hf
 
     folder = folder or shipped_folder(DRAFT_NAME)
     model, params, tokenizer = load_hf(folder, dtype)
@@ -76,26 +76,12 @@ def load_shipped_draft(dtype=jnp.float32, pruned: bool = False, folder: str | No
 def default_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer, read from the embedded GGUF (the standalone draft
     uses it: its folder ships no tokenizer.json of its own)."""
+    from jaxgen.models.embedded import DEFAULT_MODEL, embedded_path
     from jaxgen.models.gguf_checkpoint import open_gguf
     from jaxgen.models.gguf_tokenizer import gguf_tokenizer
-    from jaxgen.models.registry import DEFAULT_MODEL, embedded_path
 
     path = embedded_path(DEFAULT_MODEL)
     return gguf_tokenizer(open_gguf(path), path)
-
-
-def load_shipped_mtp_drafter(dtype=jnp.float32, folder: str | None = None):
-    """(drafter, params, tokenizer) of the MTP drafter for SmolLM2-135M-Instruct (or of the
-    drafter folder `folder`): params carry "draft_head", the target's head rows for the
-    drafter's vocabulary; the tokenizer is the target's. Pass assistant_model=(drafter,
-    params) with the embedded SmolLM2 as the target."""
-    from jaxgen.models.mtp_drafter import drafter_with_draft_head
-    from jaxgen.models.mtp_drafter_io import load_mtp_drafter
-    from jaxgen.models.registry import DEFAULT_MODEL, load
-
-    drafter, params = load_mtp_drafter(folder or shipped_folder(MTP_DRAFTER_NAME), dtype)
-    _, target_params, tokenizer = load(DEFAULT_MODEL, dtype)
-    return drafter, drafter_with_draft_head(drafter, params, target_params), tokenizer
 
 
 def shipped_draft_vocab(folder: str | None = None) -> tuple[int, ...]:

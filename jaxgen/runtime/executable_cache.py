@@ -132,17 +132,14 @@ def _static_bytes(value) -> bytes:
 
 
 def source_hash() -> str:
-    """SHA-256 of jaxgen's source files (jaxgen/ and jaxgen.models), once per process."""
+    """SHA-256 of jaxgen's source files (the package's Python and native sources), once per
+    process."""
     if not _SOURCE_HASH:
-        import jaxgen
-        import jaxgen.models
-
+        root = pathlib.Path(__file__).resolve().parent.parent  # the jaxgen package folder
         digest = hashlib.sha256()
-        for package in (jaxgen, jaxgen.models):
-            root = pathlib.Path(package.__file__).parent
-            for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
-                digest.update(str(path.relative_to(root)).encode() + b"\0")
-                digest.update(path.read_bytes() + b"\0")
+        for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc"), *root.rglob("*.h")]):
+            digest.update(str(path.relative_to(root)).encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
         _SOURCE_HASH.append(digest.hexdigest())
     return _SOURCE_HASH[0]
 

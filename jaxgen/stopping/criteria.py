@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxgen.config.checks import check_float, check_int
+from jaxgen.config.fields import check_float, check_int
 from jaxgen.stopping.strings import StopStringTables, build_stop_tables, stop_string_hit
 
 

@@ -16,7 +16,7 @@ Output folder (not in the repo), numpy arrays:
     layer_{E}.npy     fp16  [N, D]    hidden after layers [0, E) at each position
     meta.json         model name, exits, prompt file, counts
 
-    python -m jaxgen.train.distill_data --out /work/data/distill --exits 6 8 10 12
+    python -m jaxgen.train.distill_data --out data/distill --exits 6 8 10 12
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def hidden_states(model, params, sequences, exits, batch):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder (e.g. /work/data/distill)")
+    parser.add_argument("--out", required=True, help="output folder (e.g. data/distill)")
     parser.add_argument("--prompts", default=os.path.join(PROMPTS_DIR, "prompts_train.jsonl"))
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--new-tokens", type=int, default=192)

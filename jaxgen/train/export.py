@@ -27,12 +27,36 @@ def save_tokenizer(tokenizer, folder: str) -> None:
         json.dump(config, f, indent=2)
 
 
+def portable_paths(value):
+    """A training record with every absolute path made relative to the working folder (a
+    shipped record names no folder of the machine it was trained on).
+
+    Example:
+        >>> import os
+        >>> portable_paths({"data": os.path.join(os.getcwd(), "d"), "steps": 3, "x": ["a"]})
+        {'data': 'd', 'steps': 3, 'x': ['a']}
+    """
+    if isinstance(value, dict):
+        return {key: portable_paths(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable_paths(item) for item in value]
+    if isinstance(value, str):
+        return " ".join(os.path.relpath(word) if os.path.isabs(word) else word
+                        for word in value.split(" "))
+    return value
+
+
+def write_training_record(folder: str, info: dict) -> None:
+    """training.json in `folder`: how the weights were made, with portable paths."""
+    with open(os.path.join(folder, "training.json"), "w", encoding="utf-8") as f:
+        json.dump(portable_paths(info), f, indent=2)
+
+
 def save_draft_folder(model, params, tokenizer, folder: str, info: dict,
                       dtype: str = "float16") -> str:
     """The HF folder of a draft model (weights in `dtype`) with its tokenizer and info."""
     save_hf_checkpoint(model, params, folder, dtype=DTYPES[dtype])
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder)
-    with open(os.path.join(folder, "training.json"), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2)
+    write_training_record(folder, info)
     return folder

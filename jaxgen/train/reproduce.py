@@ -2,11 +2,11 @@
 export) with the settings it shipped with. Steps already done in --work are reused (the data
 folder when it has meta.json; training resumes from its orbax checkpoints).
 
-    python -m jaxgen.train.reproduce draft --work /work/repro
-    python -m jaxgen.train.reproduce exit-adapter --work /work/repro
-    python -m jaxgen.train.reproduce mtp-drafter --work /work/repro
-    python -m jaxgen.train.reproduce uad-draft --work /work/repro
-    python -m jaxgen.train.reproduce mtp-layer --work /work/repro
+    python -m jaxgen.train.reproduce draft --work repro
+    python -m jaxgen.train.reproduce exit-adapter --work repro
+    python -m jaxgen.train.reproduce mtp-drafter --work repro
+    python -m jaxgen.train.reproduce uad-draft --work repro
+    python -m jaxgen.train.reproduce mtp-layer --work repro
 
 Measured on this 2-core machine (shared with other jobs, load 8-18): self-distillation data
 18.5 min, draft 40 min (500 steps), exit adapter 11 min (300 steps). The MTP drafter reads
@@ -16,8 +16,8 @@ a 250-step schedule: it ships the step-180 checkpoint), at load 10-20 under nice
 The UAD draft (its own tokenizer) reads text: the MTP drafter's answers (96 prompts) and
 greedy answers of 160 tokens to the other 203 training prompts (uad_corpus.py); its
 tokenizer is trained on that text (uad_tokenizer.py), the draft on all but the last
-UAD_HOLDOUT rows (uad_draft.py).
-The MTP layer (use_mtp=True on the default model, mtp_layer.py) reads greedy answers of 128
+UAD_HOLDOUT rows (fit_uad_draft.py).
+The MTP layer (use_mtp=True on the default model, fit_mtp_layer.py) reads greedy answers of 128
 tokens to all 299 training prompts with the input states of the last layer (its eh_proj fit
 targets them): the answers took 33 min here (as two parallel halves at batch 16), the
 teacher-forced states 8 min, training 7 min (240 steps of 4 x 192 tokens, 1.7 s a step),
@@ -39,12 +39,12 @@ from jaxgen.models.shipped_drafters import (
 
 from . import (
     distill_data,
-    exit_adapter,
-    mtp_drafter,
-    mtp_layer,
-    standalone_draft,
+    fit_exit_adapter,
+    fit_mtp_drafter,
+    fit_mtp_layer,
+    fit_standalone_draft,
+    fit_uad_draft,
     uad_corpus,
-    uad_draft,
     uad_tokenizer,
     vocab,
 )
@@ -120,14 +120,14 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="where to write (default: the shipped place)")
     args = parser.parse_args(argv)
     if args.drafter == "mtp-drafter":
-        mtp_drafter.main([
+        fit_mtp_drafter.main([
             "--data", prepare_mtp(args.work),
             "--vocab", os.path.join(WEIGHTS, DRAFT_NAME, "draft_vocab.json"),
             "--ckpt", os.path.join(args.work, "ckpt_mtp"), "--out", args.out or MTP_OUT,
             *MTP_TRAIN_ARGS])
         return
     if args.drafter == "mtp-layer":
-        mtp_layer.main([
+        fit_mtp_layer.main([
             "--data", prepare_mtp_layer(args.work),
             "--vocab", os.path.join(WEIGHTS, DRAFT_NAME, "draft_vocab.json"),
             "--ckpt", os.path.join(args.work, "ckpt_mtp_layer"),
@@ -136,19 +136,19 @@ def main(argv=None) -> None:
         return
     if args.drafter == "uad-draft":
         corpus, tokenizer = prepare_uad(args.work)
-        uad_draft.main(["--corpus", corpus, "--tokenizer", tokenizer,
+        fit_uad_draft.main(["--corpus", corpus, "--tokenizer", tokenizer,
                         "--holdout", str(UAD_HOLDOUT),
                         "--ckpt", os.path.join(args.work, "ckpt_uad"),
                         "--out", args.out or UAD_OUT, *UAD_TRAIN_ARGS])
         return
     data, vocab_file = prepare(args.work)
     if args.drafter == "draft":
-        standalone_draft.main([
+        fit_standalone_draft.main([
             "--data", data, "--vocab", vocab_file, "--ckpt", os.path.join(args.work, "ckpt_draft"),
             "--out", args.out or DRAFT_OUT, "--steps", "500", "--batch", "8", "--length", "224",
             "--lr", "3e-3", "--warmup", "30", "--checkpoint-every", "25"])
     else:
-        exit_adapter.main([
+        fit_exit_adapter.main([
             "--exit", "15", "--data", data, "--vocab", vocab_file,
             "--ckpt", os.path.join(args.work, "ckpt_exit15"), "--out", args.out or ADAPTER_OUT,
             "--width", "1024", "--steps", "300", "--batch", "512", "--lr", "2e-3"])

@@ -14,8 +14,8 @@ answers are the trained-drafters corpus: `--distill FOLDER`) and answers generat
 prompts no row covers yet (`--new-tokens`, batches of `--batch`, appended batch by batch, so a
 stopped run resumes where it stopped).
 
-    python -m jaxgen.train.uad_corpus --out /work/scratch/uad/corpus.jsonl \
-        --distill /work/data/distill_train --new-tokens 160
+    python -m jaxgen.train.uad_corpus --out scratch/uad/corpus.jsonl \
+        --distill data/distill_train --new-tokens 160
 
 Example (a row from prompt ids and answer ids):
     >>> from jaxgen.models import tiny_tokenizer

@@ -7,8 +7,8 @@ The chat special tokens keep their strings (<|endoftext|>, <|im_start|>, <|im_en
 0, 1, 2) so the draft's folder can carry SmolLM2's chat template; all 256 bytes are in the
 alphabet, so no text is out of vocabulary.
 
-    python -m jaxgen.train.uad_tokenizer --corpus /work/scratch/uad/corpus.jsonl \
-        --size 8000 --out /work/scratch/uad/tokenizer.json
+    python -m jaxgen.train.uad_tokenizer --corpus scratch/uad/corpus.jsonl \
+        --size 8000 --out scratch/uad/tokenizer.json
 
 Example (a tiny corpus; bytes the corpus never saw still round-trip):
     >>> tok = train_bpe(["the cat sat on the mat"] * 4, size=300)

@@ -3,8 +3,8 @@ target's answers and of the prompts it answered, most frequent first (answer tok
 4x: they are what the draft must propose), then the lowest unused ids up to the size (BPE
 ids are in merge order, roughly corpus frequency), plus BOS / EOS.
 
-    python -m jaxgen.train.vocab --data /work/data/distill_train \
-        --heldout /work/data/distill_heldout --size 8192 --out /tmp/draft_vocab.json
+    python -m jaxgen.train.vocab --data data/distill_train \
+        --heldout data/distill_heldout --size 8192 --out /tmp/draft_vocab.json
 
 Example:
     >>> import numpy as np

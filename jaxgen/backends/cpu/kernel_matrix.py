@@ -29,7 +29,6 @@ from jaxgen.backends.cpu.kernels.few_rows import few_rows_product
 from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KernelMatrix:

@@ -57,7 +57,6 @@ from jaxgen.models.gguf_blocks import BlockMatrix
 from jaxgen.models.quantize import Int8Matrix
 
 
-
 def is_stacked(params) -> bool:
     """True when params["layers"] holds stacked [L, ...] arrays (a dict, not a list)."""
     return isinstance(params, Mapping) and isinstance(params.get("layers"), Mapping)

@@ -11,7 +11,7 @@ Green membership is recomputed with `jaxgen.logits.watermark.rng.in_prefix` (tor
 bit for bit), batched over the distinct n-grams of all rows in one jitted call.
 
 Example:
-    >>> from jaxgen.logits.watermark.green_list import WatermarkingConfig
+    >>> from jaxgen.config.watermarking import WatermarkingConfig
     >>> detector = WatermarkDetector(WatermarkingConfig(greenlist_ratio=0.5), vocab_size=6)
     >>> out = detector([[3, 1, 3, 1, 3, 1, 3, 1]], return_dict=True)  # 1 and 3 are green here
     >>> out.num_tokens_scored.tolist(), out.num_green_tokens.tolist()
@@ -27,11 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.config.checks import check_int
+from jaxgen.config.fields import check_int
+from jaxgen.config.watermarking import WatermarkingConfig, parse_watermarking_config
 from jaxgen.logits.watermark.green_list import (
-    WatermarkingConfig,
     p_value,
-    parse_watermarking_config,
     python_seed,
     selfhash_seeds,
     z_score,

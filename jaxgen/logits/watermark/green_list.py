@@ -27,7 +27,6 @@ Example:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -35,94 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.config.checks import check_float, check_int
+from jaxgen.config.watermarking import WatermarkingConfig
 from jaxgen.logits.watermark.rng import green_mask, in_prefix, randperm_prefix
 
-SEEDING_SCHEMES = ("lefthash", "selfhash")
 SELFHASH_CANDIDATES = 40  # HF tries the 40 best-scored tokens
 FIXED_TABLE_SIZE = 1_000_003  # HF's selfhash table: randperm(1_000_003) under hashing_key
 _U64 = 2**64
-
-
-@dataclasses.dataclass(frozen=True)
-class WatermarkingConfig:
-    """The green-list watermark's settings (Hugging Face's WatermarkingConfig fields).
-
-    greenlist_ratio  share of the vocabulary that is green at each step, in (0, 1)
-    bias             added to the green tokens' scores (a finite float)
-    hashing_key      the secret key, an int in [0, 2**32) (jaxgen computes the lefthash seed
-                     in 32-bit arithmetic, exact for keys below 2**32)
-    seeding_scheme   "lefthash" (the seed is the newest token) or "selfhash" (each candidate
-                     seeds its own list; context_width 1 only)
-    context_width    tokens the seed reads; rows shorter than it are not watermarked
-
-    >>> WatermarkingConfig(seeding_scheme="lefthash", greenlist_ratio=0.5).greenlist_ratio
-    0.5
-    >>> WatermarkingConfig(seeding_scheme="sha256")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: `watermarking_config.seeding_scheme` must be one of ('lefthash', 'selfhash'), ...
-    """
-
-    greenlist_ratio: float = 0.25
-    bias: float = 2.0
-    hashing_key: int = 15485863
-    seeding_scheme: str = "lefthash"
-    context_width: int = 1
-
-    def __post_init__(self):
-        if self.seeding_scheme not in SEEDING_SCHEMES:
-            raise ValueError(f"`watermarking_config.seeding_scheme` must be one of "
-                             f"{SEEDING_SCHEMES}, got {self.seeding_scheme!r}")
-        check_float("watermarking_config.greenlist_ratio", self.greenlist_ratio, low=0.0,
-                    high=1.0, low_open=True, high_open=True,
-                    allowed="a float in the open interval (0, 1)")
-        check_float("watermarking_config.bias", self.bias, allowed="a finite float")
-        key = self.hashing_key
-        if (isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer))
-                or not 0 <= key < 2**32):
-            raise ValueError(f"`watermarking_config.hashing_key` must be an int in [0, 2**32) "
-                             f"(jaxgen seeds in 32-bit arithmetic), got {key!r}")
-        object.__setattr__(self, "hashing_key", int(key))
-        check_int("watermarking_config.context_width", self.context_width, low=1)
-        if self.seeding_scheme == "selfhash" and self.context_width != 1:
-            raise ValueError(f"`watermarking_config.context_width`={self.context_width} with "
-                             f"seeding_scheme='selfhash' is not supported for generation "
-                             f"(allowed: context_width=1 with 'selfhash', any width with "
-                             f"'lefthash')")
-        object.__setattr__(self, "greenlist_ratio", float(self.greenlist_ratio))
-        object.__setattr__(self, "bias", float(self.bias))
-
-    def green_size(self, vocab_size: int) -> int:
-        """G = int(vocab_size * greenlist_ratio), as HF."""
-        return int(vocab_size * self.greenlist_ratio)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def parse_watermarking_config(value):
-    """None, a WatermarkingConfig / SynthIDTextWatermarkingConfig, a dict of one's fields or
-    Hugging Face's config object (anything with `to_dict()`) -> jaxgen's config object.
-
-    >>> parse_watermarking_config({"bias": 3.0}).bias
-    3.0
-    """
-    from jaxgen.logits.watermark.synthid import SynthIDTextWatermarkingConfig
-    if value is None or isinstance(value, (WatermarkingConfig, SynthIDTextWatermarkingConfig)):
-        return value
-    if not isinstance(value, dict) and callable(getattr(value, "to_dict", None)):
-        value = value.to_dict()
-    if not isinstance(value, dict):
-        raise ValueError(f"`watermarking_config` must be a WatermarkingConfig, a "
-                         f"SynthIDTextWatermarkingConfig or a dict of their fields, got "
-                         f"{value!r}")
-    kind = SynthIDTextWatermarkingConfig if "keys" in value else WatermarkingConfig
-    fields = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(value) - fields)
-    if unknown:
-        raise ValueError(f"`watermarking_config` has unknown key(s) {unknown} for "
-                         f"{kind.__name__} (allowed: {sorted(fields)})")
-    return kind(**value)
 
 
 # ----------------------------------------------------------------------------- seeds

@@ -28,74 +28,16 @@ Example:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.config.checks import check_bool, check_int
+from jaxgen.config.watermarking import SynthIDTextWatermarkingConfig
 
 MULTIPLIER = 6364136223846793005  # HF's LCG multiplier (newlib / musl)
 _MASK32 = 0xFFFFFFFF
-
-
-@dataclasses.dataclass(frozen=True)
-class SynthIDTextWatermarkingConfig:
-    """SynthID-text settings (Hugging Face's SynthIDTextWatermarkingConfig fields).
-
-    ngram_len             tokens per n-gram (context = ngram_len - 1 tokens), >= 2
-    keys                  one int key per tournament layer (depth = len(keys))
-    context_history_size  how many past contexts are remembered (repeats are not marked)
-    sampling_table_seed   seed of the 0/1 table; sampling_table_size its size (<= 2**24)
-    skip_first_ngram_calls  do not mark the first ngram_len - 1 steps
-    debug_mode            replace the scores by ones first (HF's test switch)
-
-    >>> SynthIDTextWatermarkingConfig(ngram_len=5, keys=[654, 400, 836]).depth
-    3
-    """
-
-    ngram_len: int
-    keys: tuple
-    context_history_size: int = 1024
-    sampling_table_seed: int = 0
-    sampling_table_size: int = 2**16
-    skip_first_ngram_calls: bool = False
-    debug_mode: bool = False
-
-    def __post_init__(self):
-        name = "watermarking_config"
-        check_int(f"{name}.ngram_len", self.ngram_len, low=2)
-        keys = self.keys
-        keys = keys.tolist() if hasattr(keys, "tolist") else keys
-        allowed = "a non-empty list of ints in [0, 2**63)"
-        if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__") or not list(keys):
-            raise ValueError(f"`{name}.keys` must be {allowed}, got {self.keys!r}")
-        keys = list(keys)
-        for key in keys:
-            if (isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer))
-                    or not 0 <= key < 2**63):
-                raise ValueError(f"`{name}.keys` must be {allowed}, got {self.keys!r}")
-        object.__setattr__(self, "keys", tuple(int(k) for k in keys))
-        check_int(f"{name}.context_history_size", self.context_history_size, low=1)
-        check_int(f"{name}.sampling_table_seed", self.sampling_table_seed)
-        check_int(f"{name}.sampling_table_size", self.sampling_table_size, low=1,
-                  allowed="an int in [1, 2**24]")
-        if self.sampling_table_size > 2**24:
-            raise ValueError(f"`{name}.sampling_table_size` must be an int in [1, 2**24], got "
-                             f"{self.sampling_table_size}")
-        check_bool(f"{name}.skip_first_ngram_calls", self.skip_first_ngram_calls)
-        check_bool(f"{name}.debug_mode", self.debug_mode)
-
-    @property
-    def depth(self) -> int:
-        return len(self.keys)
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["keys"] = list(self.keys)
-        return out
 
 
 @functools.lru_cache(maxsize=8)

@@ -10,7 +10,7 @@ of that null (each g ~ Bernoulli(1/2) independently). HF's Bayesian detector is 
 model and is not rebuilt here; its inputs (g-values and the combined mask) are.
 
 Example:
-    >>> from jaxgen.logits.watermark.synthid import SynthIDTextWatermarkingConfig
+    >>> from jaxgen.config.watermarking import SynthIDTextWatermarkingConfig
     >>> wm = SynthIDTextWatermarkingConfig(ngram_len=2, keys=(7, 11))
     >>> compute_g_values(wm, [[1, 3, 2]]).tolist()   # [B, T - n + 1, depth]
     [[[0.0, 1.0], [0.0, 0.0]]]
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.config.watermarking import SynthIDTextWatermarkingConfig
 from jaxgen.logits.watermark.synthid import (
-    SynthIDTextWatermarkingConfig,
     _split,
     accumulate_hash,
     floor_mod,
@@ -105,7 +105,7 @@ class SynthIDTextDetector:
     """
 
     def __init__(self, watermarking_config, eos_token_id: int | None = None):
-        from jaxgen.logits.watermark.green_list import parse_watermarking_config
+        from jaxgen.config.watermarking import parse_watermarking_config
         self.config = parse_watermarking_config(watermarking_config)
         if not isinstance(self.config, SynthIDTextWatermarkingConfig):
             raise ValueError("SynthIDTextDetector needs a SynthIDTextWatermarkingConfig; for "

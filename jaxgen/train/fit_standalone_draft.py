@@ -6,8 +6,8 @@ Sizes (default): hidden 128, 4 layers, 4 heads of 32 (2 KV heads), MLP 384, tied
 7.1 M parameters, 14 MB in fp16. The embeddings start as the target's projected on their top
 128 principal directions (the tied head then starts close to the target's head geometry).
 
-    python -m jaxgen.train.standalone_draft --data /work/data/distill_train \
-        --heldout /work/data/distill_heldout --ckpt /work/ckpt/draft \
+    python -m jaxgen.train.fit_standalone_draft --data data/distill_train \
+        --heldout data/distill_heldout --ckpt ckpt/draft \
         --out jaxgen/models/weights/smollm2-135m-instruct-draft
 
 A stopped run resumes from --ckpt with the same batches and optimizer state.
@@ -28,9 +28,9 @@ from jaxgen.models import Llama, LlamaConfig
 from jaxgen.models.draft_vocab import restricted_logits
 
 from .batches import DistillSet, sequence_batch
-from .loop import TrainConfig, add_run_arguments, mean_metrics, train
 from .losses import distill_loss
 from .optim import OptimConfig
+from .trainer import TrainConfig, add_run_arguments, mean_metrics, train
 
 
 def draft_config(target: LlamaConfig, hidden: int = 128, layers: int = 4, heads: int = 4,
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
         heldout = evaluate(loss_fn, params, frozen, DistillSet.load(args.heldout),
                            args.batch, args.length)
         print("heldout", json.dumps(heldout), flush=True)
-    info = {"command": "python -m jaxgen.train.standalone_draft " + " ".join(argv or []),
+    info = {"command": "python -m jaxgen.train.fit_standalone_draft " + " ".join(argv or []),
             "args": vars(args), "heldout": heldout,
             "last": history[-1] if history else None,
             "seconds_this_run": round(time.time() - started)}

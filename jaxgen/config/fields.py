@@ -48,7 +48,7 @@ def check_int(name: str, value, *, low: int = 0, allowed: str | None = None,
     "got" (e.g. "the entry [1, -2]" for one element of a list field).
 
     Example:
-        >>> from jaxgen.config.checks import check_int
+        >>> from jaxgen.config.fields import check_int
         >>> check_int("top_k", 10**12)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ValueError: `top_k`=1000000000000 is past the int32 range ... (allowed: an int >= 0)

@@ -4,10 +4,10 @@ target's own final norm + head, distilled so that the exit's distribution matche
 model's at the same position (forward KL). The target is frozen; only the adapter trains.
 
     # which E: plain-exit agreement with the target on held-out answers, and a cost model
-    python -m jaxgen.train.exit_adapter --measure --heldout /work/data/distill_heldout
+    python -m jaxgen.train.fit_exit_adapter --measure --heldout data/distill_heldout
     # train and ship the adapter of layer E
-    python -m jaxgen.train.exit_adapter --exit 10 --data /work/data/distill_train \
-        --heldout /work/data/distill_heldout --ckpt /work/ckpt/exit10 \
+    python -m jaxgen.train.fit_exit_adapter --exit 10 --data data/distill_train \
+        --heldout data/distill_heldout --ckpt ckpt/exit10 \
         --out jaxgen/models/weights/smollm2-135m-instruct-exit-adapters
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 from jaxgen.models.exit_adapter import apply_exit_adapter, init_exit_adapter
 
 from .batches import DistillSet, position_batch
-from .loop import TrainConfig, train
+from .fit_standalone_draft import head_logits, target_frozen
 from .losses import distill_loss
 from .optim import OptimConfig
-from .standalone_draft import head_logits, target_frozen
+from .trainer import TrainConfig, train
 
 
 def make_loss(target, ce_weight: float = 0.0):
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     adapter, history = train(loss_fn, adapter, frozen, batch_at, cfg,
                              checkpoint_dir=args.ckpt, stop_at=args.stop_at,
                              log=lambda s: print(s, flush=True))
-    info = {"command": "python -m jaxgen.train.exit_adapter " + " ".join(argv or []),
+    info = {"command": "python -m jaxgen.train.fit_exit_adapter " + " ".join(argv or []),
             "args": vars(args), "last": history[-1] if history else None,
             "seconds_this_run": round(time.time() - started)}
     if args.heldout:

@@ -9,8 +9,8 @@ for each new token the draft's embedding row of the same token string in SmolLM2
 (the mean of the rows SmolLM2's BPE splits it into when it has none; of all rows for the two
 bytes that never occur in UTF-8).
 
-    python -m jaxgen.train.uad_draft --corpus /work/scratch/uad/corpus.jsonl \
-        --tokenizer /work/scratch/uad/tokenizer.json --ckpt /work/scratch/uad/ckpt \
+    python -m jaxgen.train.fit_uad_draft --corpus scratch/uad/corpus.jsonl \
+        --tokenizer scratch/uad/tokenizer.json --ckpt scratch/uad/ckpt \
         --out jaxgen/models/weights/smollm2-135m-instruct-uad-draft
 
 A stopped run resumes from --ckpt with the same batches and optimizer state (loop.train).
@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .batches import pick
-from .loop import TrainConfig, add_run_arguments, mean_metrics, train
+from .fit_standalone_draft import window_hidden
 from .optim import OptimConfig
-from .standalone_draft import window_hidden
+from .trainer import TrainConfig, add_run_arguments, mean_metrics, train
 
 
 @dataclasses.dataclass
@@ -215,7 +215,7 @@ def main(argv=None) -> None:
     if heldout is not None:
         result = evaluate(loss_fn, params, heldout, args.batch, args.length)
         print("heldout", json.dumps(result), flush=True)
-    info = {"command": "python -m jaxgen.train.uad_draft " + " ".join(argv or []),
+    info = {"command": "python -m jaxgen.train.fit_uad_draft " + " ".join(argv or []),
             "args": vars(args), "heldout": result, "last": history[-1] if history else None,
             "corpus_sequences": data.num_sequences,
             "corpus_answer_tokens": data.num_answer_tokens,

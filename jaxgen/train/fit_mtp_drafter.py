@@ -19,8 +19,8 @@ Sizes (default): width 576, 1 layer of 9 query heads over the target's last laye
 1536: 4.3 M parameters, 8.6 MB in fp16 (the head and embeddings are the target's). The
 projections start from a linear fit (linear_init), the layer from random.
 
-    python -m jaxgen.train.mtp_drafter --data /work/data/distill_train \
-        --vocab /work/data/draft_vocab.json --ckpt /work/ckpt/mtp \
+    python -m jaxgen.train.fit_mtp_drafter --data data/distill_train \
+        --vocab data/draft_vocab.json --ckpt ckpt/mtp \
         --out jaxgen/models/weights/smollm2-135m-instruct-mtp-drafter
 
 A stopped run resumes from --ckpt with the same batches and optimizer state.
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import jax
@@ -57,11 +56,12 @@ from jaxgen.models.mtp_drafter import (
     MtpDrafterModel,
     drafter_with_draft_head,
 )
+from jaxgen.train.export import write_training_record
 
 from .batches import DistillSet, sequence_batch
-from .loop import TrainConfig, add_run_arguments, train
 from .losses import distill_loss
 from .optim import OptimConfig
+from .trainer import TrainConfig, add_run_arguments, train
 
 
 def drafter_config(target, vocab, hidden: int = 576, intermediate: int = 1536,
@@ -178,8 +178,7 @@ def save(drafter: MtpDrafterModel, params: dict, out: str, info: dict,
 
     params = {k: v for k, v in params.items() if k != "draft_head"}
     save_mtp_drafter(drafter, params, out, dtype=np.dtype(dtype))
-    with open(os.path.join(out, "training.json"), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2)
+    write_training_record(out, info)
     return out
 
 
@@ -224,7 +223,7 @@ def main(argv=None) -> None:
     params, history = train(make_loss(drafter, target, args.draft_steps), params, frozen,
                             batch_at, cfg, checkpoint_dir=args.ckpt, stop_at=args.stop_at,
                             log=lambda s: print(s, flush=True))
-    info = {"command": "python -m jaxgen.train.mtp_drafter " + " ".join(argv or []),
+    info = {"command": "python -m jaxgen.train.fit_mtp_drafter " + " ".join(argv or []),
             "args": vars(args), "last": history[-1] if history else None,
             "seconds_this_run": round(time.time() - started)}
     save(drafter, params, args.out, info, args.dtype)

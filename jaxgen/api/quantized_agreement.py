@@ -23,14 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.api.generate import generate
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.core.state import init_state
+
 TIE_GAP = 0.5  # logits: a departure where the reference's top-2 are this close is a near-tie
 
 
 def _greedy(model, params, prompts: list[list[int]], new_tokens: int):
-    import jaxgen  # the generate API sits above the models package (floors)
-
-    cfg = jaxgen.GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-    out = jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg), cfg)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    out = generate(params, init_state(model, prompts, cfg), cfg)
     return np.asarray(out.sequences), np.asarray(out.prompt_lengths)
 
 

@@ -20,9 +20,9 @@ q from [enorm(embed t_q); hnorm(norm h_{q-1})] (needs the data's layer_{L-1}: di
 --exits 29 for SmolLM2). The block then sees inputs like the ones it was trained on, and step
 0 already agrees with the target on many tokens.
 
-    python -m jaxgen.train.mtp_layer --data /work/data/distill_mtp_layer \
+    python -m jaxgen.train.fit_mtp_layer --data data/distill_mtp_layer \
         --vocab jaxgen/models/weights/smollm2-135m-instruct-draft/draft_vocab.json \
-        --ckpt /work/ckpt/mtp_layer --out jaxgen/models/weights/smollm2-135m-instruct-mtp-layer
+        --ckpt ckpt/mtp_layer --out jaxgen/models/weights/smollm2-135m-instruct-mtp-layer
 
 A stopped run resumes from --ckpt with the same batches and optimizer state. The shipped layer
 (reproduce.py mtp-layer: 299 prompts, 240 steps) agrees with the target's greedy token on
@@ -58,12 +58,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.mtp import mtp_cache, mtp_depth, target_normed
-from jaxgen.models.norms import rms_norm
+from jaxgen.train.export import write_training_record
 
 from .batches import DistillSet, sequence_batch
-from .loop import TrainConfig, add_run_arguments, train
 from .losses import distill_loss
 from .optim import OptimConfig
+from .trainer import TrainConfig, add_run_arguments, train
 
 __all__ = ["frozen_target", "init_from_target", "make_loss", "mtp_model", "save",
            "student_teacher_logits"]
@@ -181,8 +181,7 @@ def save(model, target_params: dict, mtp: dict, out: str, info: dict,
         json.dump(config, f, indent=2)
     arrays = mtp_hf_arrays(model, {"mtp": jax.device_get(mtp)}, np.dtype(dtype))
     write_safetensors(os.path.join(out, "mtp.safetensors"), arrays, metadata={"format": "pt"})
-    with open(os.path.join(out, "training.json"), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2)
+    write_training_record(out, info)
     return out
 
 
@@ -215,7 +214,7 @@ def main(argv=None) -> None:
                       checkpoint_every=args.checkpoint_every, log_every=5)
     mtp, history = train(make_loss(model), mtp, frozen, batch_at, cfg, checkpoint_dir=args.ckpt,
                          stop_at=args.stop_at, log=lambda s: print(s, flush=True))
-    info = {"command": "python -m jaxgen.train.mtp_layer " + " ".join(argv or []),
+    info = {"command": "python -m jaxgen.train.fit_mtp_layer " + " ".join(argv or []),
             "args": vars(args), "last": history[-1] if history else None,
             "seconds_this_run": round(time.time() - started)}
     save(model, target_params, mtp, args.out, info, args.dtype)
