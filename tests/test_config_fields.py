@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxgen.config.generation import GenerationConfig
-from jaxgen.config.generation import generation as C
+from jaxgen.config import generation as C
 
 transformers = pytest.importorskip("transformers")
 
