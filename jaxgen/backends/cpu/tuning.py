@@ -21,7 +21,9 @@ ROWWISE_MAX_ROWS = 4
 # bound by per-op overhead, not by weight reads, and keep the scan's short compile).
 SPLIT_MIN_BYTES = 16 << 20
 # A tied head's [D, V] copy is read by forwards of fewer rows than this; more rows read the
-# embedding [V, D] itself (tied_head.py).
+# embedding [V, D] itself (tied_head.py): XLA:CPU's matrix-matrix kernel runs SmolLM2's
+# 49152 x 576 head 1.6-1.8x faster that way round (3 to 32 rows; 2 rows equal), while one row
+# runs 1.3x faster on [D, V].
 HEAD_BY_VOCAB_MIN_ROWS = 3
 
 __all__ = ["HEAD_BY_VOCAB_MIN_ROWS", "KERNEL_MAX_ROWS", "ROWWISE_MAX_ROWS",
