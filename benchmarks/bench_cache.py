@@ -6,9 +6,10 @@ Model: a random Llama with 8 layers, 8 query heads and 8 KV heads of head_dim 64
 per token and layer, 32 KiB/token in fp32) then dominates the bytes read per step, which is
 what the cache kinds change.
 
-Each step runs what `jaxgen.generate` runs on CPU: per-layer weights (jaxgen/backends/cpu/layer_split.py)
-and the cache split per layer (jaxgen.backends.cpu.cache_split). The cache is filled with random K/V
-up to the context (through each kind's own `update`, so
+Each step runs what `jaxgen.generate` runs on CPU (layout="auto"): per-layer weights
+(jaxgen/backends/cpu/layer_split.py) and the cache held as one buffer per layer
+(jaxgen.cache.layer_forms.to_layer_tuples, as jaxgen/backends/cpu/prepare.py converts it). The
+cache is filled with random K/V up to the context (through each kind's own `update`, so
 int8 codes and ring slots are real), then `--steps` greedy decode steps run in one jitted
 `fori_loop` (timed after a warm-up call). Fixed-size kinds are allocated for context + 2 *
 steps; "dynamic" holds the power-of-two bucket jaxgen.drivers.growing would have grown to;
@@ -32,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from report_table import table_header, table_row
 
-from jaxgen.backends.cpu.cache_split import split_cache, stack_cache
 from jaxgen.backends.cpu.layer_split import for_decoding
+from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
 from jaxgen.core.state import next_pow2
 from jaxgen.models import Llama, LlamaConfig
 
@@ -72,13 +73,13 @@ def fill(cache, context: int, key):
 
 def make_decode(model, steps: int, split: bool = True):
     """`steps` greedy steps in one jitted loop, over what a compiled generate call runs: the
-    weights as `for_decoding` lays them out and, with per-layer weights, the cache split per
-    layer (jaxgen.runtime.compiled; split=False keeps it stacked)."""
+    weights as `for_decoding` lays them out and, with per-layer weights, the cache held per
+    layer (jaxgen/backends/cpu/prepare.py; split=False keeps it stacked)."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, token, start):
-        params = for_decoding(model, params, rows=1)
-        if isinstance(params["layers"], list) and split:
-            cache = split_cache(cache)
+        params = for_decoding(model, params, rows=1, layout="auto")
+        if isinstance(params["layers"], (list, tuple)) and split:
+            cache = to_layer_tuples(cache)
 
         def body(i, carry):
             cache, token = carry
@@ -86,7 +87,7 @@ def make_decode(model, steps: int, split: bool = True):
             out = model(params, token[:, None], position, cache)
             return out.cache, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
         cache, token = jax.lax.fori_loop(0, steps, body, (cache, token))
-        return stack_cache(cache), token
+        return to_stacked_layers(cache), token
     return decode
 
 
@@ -143,7 +144,7 @@ def main(argv=None):
                                                        "bench_cache.png"))
     parser.add_argument("--stacked-cache", action="store_true",
                         help="keep the cache stacked [L, ...] (what compiled calls ran before "
-                             "jaxgen.backends.cpu.cache_split)")
+                             "the cache was held per layer: jaxgen.cache.layer_forms)")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                         help="instead: seconds of generate() for a prompt of TOKENS tokens "
                              "and 4 new ones, per kind")

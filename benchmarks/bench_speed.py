@@ -1,5 +1,5 @@
 """Decode speed against the floors and the peers: jaxgen as `load()` returns it (stacked layers,
-split per call on CPU), the stacked scan kept ($JAXGEN_LAYER_LAYOUT=stacked), after
+split per call on CPU), the stacked scan kept (generate(..., layout="portable")), after
 `unstack_layers`, with int8 weights (`load(weights="int8")`), with the GGUF file's own Q4_1 /
 Q8_0 blocks (`load(weights="gguf")`), transformers (torch CPU, fp32,
 same weights) and llama.cpp (llama-cpp-python, when installed: the shipped Q4_1 GGUF and
@@ -28,8 +28,7 @@ from bench_generate import measure_bandwidth, prompts_of
 from report_table import table_header, table_row
 
 import jaxgen
-from jaxgen.backends.cpu.cache_split import split_cache
-from jaxgen.backends.cpu.layer_split import layout_override
+from jaxgen.cache.layer_forms import to_layer_tuples
 from jaxgen.core.step import choose, forward_last, state_context
 from jaxgen.models import DEFAULT_MODEL, load, unstack_layers
 from jaxgen.models.quantize import quantize_params
@@ -70,19 +69,18 @@ def matmul_params(model) -> int:
 def jaxgen_ms_per_token(model, params, prompts, new_tokens, repeats,
                         layout: str = "auto", kernels: str = "auto") -> tuple[float, float]:
     """(median seconds per decode step over the whole call, first-call compile seconds), with
-    $JAXGEN_LAYER_LAYOUT = `layout` and $JAXGEN_CPU_KERNELS = `kernels` while the program is
-    traced (compiled programs are dropped first: the settings are not part of jit's own cache
-    key)."""
+    generate(..., layout=`layout`) (jaxgen.runtime.backend.LAYOUTS) and $JAXGEN_CPU_KERNELS =
+    `kernels` while the program is traced (compiled programs are dropped first: the kernel
+    setting is not part of jit's own cache key; the layout is a static argument)."""
     cfg = jaxgen.GenerationConfig(max_new_tokens=new_tokens, pad_token_id=0)  # no EOS
     run = lambda: jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg),  # noqa: E731
-                                  cfg).sequences.block_until_ready()
+                                  cfg, layout=layout).sequences.block_until_ready()
     jax.clear_caches()
     kernels_before = os.environ.get("JAXGEN_CPU_KERNELS")
     os.environ["JAXGEN_CPU_KERNELS"] = kernels
     try:
-        with layout_override(layout):
-            first = _timed(run)
-            times = [_timed(run) for _ in range(repeats)]
+        first = _timed(run)
+        times = [_timed(run) for _ in range(repeats)]
     finally:
         if kernels_before is None:
             os.environ.pop("JAXGEN_CPU_KERNELS", None)
@@ -95,11 +93,11 @@ def jaxgen_ms_per_token(model, params, prompts, new_tokens, repeats,
 def jaxgen_interleaved_ms_per_token(model, params_by_name: dict, prompts, new_tokens,
                                     repeats) -> dict:
     """{name: (median seconds per decode step, first-call compile seconds)} for params that all
-    run the default settings, timed in turns (each repeat times every entry once, after one
+    run the default settings (layout="auto"), timed in turns (each repeat times every entry once, after one
     untimed call that lays its params out again), so a host's drift hits them alike."""
     cfg = jaxgen.GenerationConfig(max_new_tokens=new_tokens, pad_token_id=0)  # no EOS
-    runs = {name: (lambda p=p: jaxgen.generate(p, jaxgen.init_state(model, prompts, cfg),
-                                                cfg).sequences.block_until_ready())
+    runs = {name: (lambda p=p: jaxgen.generate(p, jaxgen.init_state(model, prompts, cfg), cfg,
+                                                layout="auto").sequences.block_until_ready())
             for name, p in params_by_name.items()}
     jax.clear_caches()
     first = {name: _timed(run) for name, run in runs.items()}
@@ -273,7 +271,7 @@ def profile_pieces(model, params, batch: int, steps: int = 32, repeats: int = 5)
         "layers": (layers_only, params, (cache, x0)),
         "head (norm + 49152x576)": (head_only, params, x0),
         "weight matmuls only": (matmuls_only, per_layer, x0),
-        "cache write + attention": (attend_only, params, (split_cache(cache), x0)),  # as generate
+        "cache write + attention": (attend_only, params, (to_layer_tuples(cache), x0)),  # as generate
         "choose + logprobs": (choose_only, params, (logits0, tokens)),
     }
     out = {}
@@ -317,7 +315,7 @@ def main() -> None:
     blocks = load(DEFAULT_MODEL, weights="gguf")[1]  # the file's Q4_1 layers, Q8_0 head
     blocks_bytes = step_bytes(model, blocks)
     layouts = {"jaxgen load() as it is (split per call)": (stacked, "auto"),
-               "jaxgen stacked scan (LAYOUT=stacked)": (stacked, "stacked"),
+               "jaxgen stacked scan (layout=portable)": (stacked, "portable"),
                "jaxgen unstack_layers": (unstacked, "auto"),
                "jaxgen int8 (split per call)": (int8, "auto"),
                "jaxgen int8 unstacked": (quantize_params(model.config, unstacked), "auto"),

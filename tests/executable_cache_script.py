@@ -1,7 +1,7 @@
 """The executable-cache tests' process (tests/test_executable_cache.py): generates with
 jaxgen.runtime.executable_cache enabled and prints one JSON line.
 
-    python tests/executable_cache_script.py FOLDER
+    python tests/executable_cache_script.py FOLDER [LAYOUT]   # LAYOUT: generate's layout=
     python tests/executable_cache_script.py --key    # program_key of sampling_call()
 
 A fresh process, so the cache's module state is the one jaxgen.runtime.compiled uses (pytest's
@@ -60,7 +60,7 @@ def another_entrys_contents(path, other):  # intact, checksummed, but for anothe
 DAMAGES = (flip_a_byte, cut, another_entrys_contents)
 
 
-def one_round(folder: str, model, params) -> dict:
+def one_round(folder: str, model, params, layout: str) -> dict:
     executable_cache.disable()
     jax.clear_caches()
     compiled._LAID_OUT.clear()  # a new process keeps no laid-out weights either
@@ -71,15 +71,17 @@ def one_round(folder: str, model, params) -> dict:
     COMPILES.clear()
     executable_cache.enable(folder)
     traced = jaxgen.trace_count()
-    streamed = jaxgen.generate(params, states[0], cfg, streamer=[Quiet(), Quiet()])
-    plain = jaxgen.generate(params, states[1], cfg)
+    streamed = jaxgen.generate(params, states[0], cfg, streamer=[Quiet(), Quiet()],
+                               layout=layout)
+    plain = jaxgen.generate(params, states[1], cfg, layout=layout)
     return {"tokens": [np.asarray(out.sequences).tolist() for out in (streamed, plain)],
             "traced": jaxgen.trace_count() - traced, "compiles": len(COMPILES),
             "stats": executable_cache.stats()}
 
 
 def sampling_call():
-    """(name, args, loop) of a sampling call: its config's static part holds a set of names."""
+    """(name, args, statics) of a sampling call: its config's static part holds a set of
+    names; statics are the entry's static arguments (the loop, the layout)."""
     from jaxgen.api.plan import canonical_config
     from jaxgen.core.extensions import Extensions
     from jaxgen.loops.decode import DecodeLoop
@@ -90,21 +92,22 @@ def sampling_call():
     cfg = jaxgen.GenerationConfig(max_new_tokens=10, do_sample=True, temperature=0.7,
                                   top_k=5, top_p=0.9, min_p=0.1)
     state = jaxgen.init_state(model, [[1, 2, 3]], cfg, jax.random.key(0))
-    return "start", (params, state, canonical_config(cfg), None), DecodeLoop(Extensions())
+    return ("start", (params, state, canonical_config(cfg), None),
+            {"loop": DecodeLoop(Extensions()), "layout": "auto"})
 
 
-def main(folder: str) -> None:
+def main(folder: str, layout: str = "auto") -> None:
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **_: COMPILES.append(event)
         if event.endswith("backend_compile_duration") else None)
     model, params = tiny_llama(seed=4, num_layers=1)
-    rounds = {"first": one_round(folder, model, params),
-              "warm": one_round(folder, model, params)}
+    rounds = {"first": one_round(folder, model, params, layout),
+              "warm": one_round(folder, model, params, layout)}
     entries = sorted(os.path.join(folder, name) for name in os.listdir(folder))
     for index, path in enumerate(entries):
         DAMAGES[index % len(DAMAGES)](path, entries[index - 1])
-    rounds["damaged"] = one_round(folder, model, params)
-    rounds["repaired"] = one_round(folder, model, params)
+    rounds["damaged"] = one_round(folder, model, params, layout)
+    rounds["repaired"] = one_round(folder, model, params, layout)
     rounds["entries"] = len(entries)
     print(json.dumps(rounds))
 
@@ -113,4 +116,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--key":
         print(executable_cache.program_key(*sampling_call(), b"environment"))
     else:
-        main(sys.argv[1])
+        main(*sys.argv[1:3])

@@ -54,21 +54,23 @@ def test_a_warm_process_compiles_nothing_and_damaged_entries_fall_back(tmp_path)
 
 
 def test_the_key_is_the_same_in_another_process_and_changes_with_the_program():
-    name, args, loop = sampling_call()
-    key = program_key(name, args, loop, b"environment")
+    name, args, statics = sampling_call()
+    key = program_key(name, args, statics, b"environment")
     # another process, another string hash seed: the config's set of names iterates in
     # another order, the key must not change
     assert _script("--key", PYTHONHASHSEED="12345") == key
     params, state, cfg, inputs = args
-    assert program_key(name, args, loop, b"environment") == key
-    assert program_key("advance", args, loop, b"environment") != key
-    assert program_key(name, args, loop, b"another jax") != key
+    assert program_key(name, args, statics, b"environment") == key
+    assert program_key("advance", args, statics, b"environment") != key
+    assert program_key(name, args, statics, b"another jax") != key
+    for layout in ("portable", "split"):  # a static argument: a program of its own
+        assert program_key(name, args, {**statics, "layout": layout}, b"environment") != key
     other_cfg = cfg.replace(top_k=None)
-    assert program_key(name, (params, state, other_cfg, inputs), loop, b"environment") != key
+    assert program_key(name, (params, state, other_cfg, inputs), statics, b"environment") != key
     bigger = state.replace(tokens=jnp.zeros((1, state.tokens.shape[1] + 8), jnp.int32))
-    assert program_key(name, (params, bigger, cfg, inputs), loop, b"environment") != key
+    assert program_key(name, (params, bigger, cfg, inputs), statics, b"environment") != key
     half = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
-    assert program_key(name, (half, state, cfg, inputs), loop, b"environment") != key
+    assert program_key(name, (half, state, cfg, inputs), statics, b"environment") != key
 
 
 def test_the_environment_holds_versions_flags_and_the_source(monkeypatch):
@@ -87,8 +89,8 @@ def test_calls_it_cannot_key_run_as_plain_jits(tmp_path):
     add = jax.jit(lambda x, *, loop: x + loop.offset, static_argnames=("loop",))
     store = ExecutableStore(str(tmp_path))
     xs = jnp.arange(3)
-    assert store.call("add", add, (xs,), UserLoop()).tolist() == [1, 2, 3]
-    under_vmap = jax.vmap(lambda x: store.call("add", add, (x,), UserLoop()))(xs)
+    assert store.call("add", add, (xs,), {"loop": UserLoop()}).tolist() == [1, 2, 3]
+    under_vmap = jax.vmap(lambda x: store.call("add", add, (x,), {"loop": UserLoop()}))(xs)
     assert under_vmap.tolist() == [1, 2, 3]
     assert store.counts == {"hits": 0, "written": 0, "damaged": 0, "uncached": 2}
     assert os.listdir(tmp_path) == []
@@ -97,8 +99,8 @@ def test_calls_it_cannot_key_run_as_plain_jits(tmp_path):
 def test_an_unwritable_folder_only_costs_the_compile(tmp_path):
     add = jax.jit(lambda x, *, loop: x + loop, static_argnames=("loop",))
     store = ExecutableStore(str(tmp_path / "missing"))  # writes fail: no such folder
-    assert store.call("add", add, (jnp.arange(3),), 2).tolist() == [2, 3, 4]
-    assert store.call("add", add, (jnp.arange(3),), 2).tolist() == [2, 3, 4]
+    assert store.call("add", add, (jnp.arange(3),), {"loop": 2}).tolist() == [2, 3, 4]
+    assert store.call("add", add, (jnp.arange(3),), {"loop": 2}).tolist() == [2, 3, 4]
     assert store.counts["written"] == 0 and not (tmp_path / "missing").exists()
 
 
@@ -108,7 +110,7 @@ def test_old_entries_are_pruned(tmp_path, monkeypatch):
     add = jax.jit(lambda x, *, loop: x + loop, static_argnames=("loop",))
     store = ExecutableStore(str(tmp_path))
     for offset in range(count + 2):
-        store.call("add", add, (jnp.arange(3),), offset)
+        store.call("add", add, (jnp.arange(3),), {"loop": offset})
     assert len(os.listdir(tmp_path)) == count
 
 
@@ -116,8 +118,8 @@ def test_a_fresh_process_runs_stored_programs_that_call_the_native_kernel(tmp_pa
     # split layers on a tiny model: the batch-2 programs call jaxgen_few_rows, whose FFI target
     # a fresh process has not registered until the store loads an entry
     folder = str(tmp_path / "executables")
-    first = json.loads(_script(folder, JAXGEN_LAYER_LAYOUT="split"))["first"]
-    again = json.loads(_script(folder, JAXGEN_LAYER_LAYOUT="split"))["first"]
+    first = json.loads(_script(folder, "split"))["first"]  # generate(..., layout="split")
+    again = json.loads(_script(folder, "split"))["first"]
     assert first["stats"]["written"] == 4  # and the weights' layout program
     assert again["stats"]["hits"] == 4 and again["compiles"] == 0
     assert again["tokens"] == first["tokens"]

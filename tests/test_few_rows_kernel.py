@@ -4,15 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen.backends.cpu.kernel_matrix import (
-    KERNEL_MAX_ROWS,
-    STACKED_KERNEL_MAX_ROWS,
-    KernelMatrix,
-    kernel_layers,
-    kernel_stacks,
-)
+from jaxgen.backends.cpu.kernel_matrix import KernelMatrix, kernel_layers, kernel_stacks
 from jaxgen.backends.cpu.kernels import build, few_rows
 from jaxgen.backends.cpu.kernels.few_rows import available, few_rows_product
+from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -80,7 +75,8 @@ def test_kernel_matrix_falls_back_past_the_row_bound_and_stands_for_its_k_by_n_w
 
 def _generate(monkeypatch, kernels, batch, **settings):
     import jaxgen
-    from jaxgen.models import layer_split, tiny_llama
+    from jaxgen.backends.cpu import layer_split
+    from jaxgen.models import tiny_llama
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "auto" if kernels else "off")
@@ -107,8 +103,9 @@ def test_generate_with_the_kernel_gives_xla_s_tokens(monkeypatch, batch, setting
 def test_multi_row_programs_call_the_kernel_and_one_row_programs_only_with_8_row_groups(
         monkeypatch):
     import jaxgen
+    from jaxgen.backends.cpu import layer_split
     from jaxgen.loops.decode import DecodeLoop
-    from jaxgen.models import layer_split, tiny_llama
+    from jaxgen.models import tiny_llama
     from jaxgen.runtime import compiled
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
@@ -118,7 +115,8 @@ def test_multi_row_programs_call_the_kernel_and_one_row_programs_only_with_8_row
     def program(batch) -> str:
         jax.clear_caches()  # the setting is read at trace time
         state = jaxgen.init_state(model, [[3, 1, 4]] * batch, cfg)
-        return compiled._run_kept.lower(params, state, cfg, None, loop=DecodeLoop()).as_text()
+        return compiled._run_kept.lower(params, state, cfg, None, loop=DecodeLoop(),
+                                        layout="auto").as_text()
 
     assert "jaxgen_few_rows" in program(2)
     for group in (4, 8):  # the 4-row build leaves one row to XLA's matrix-vector products
@@ -166,8 +164,9 @@ def test_a_failed_build_warns_with_the_reason_and_falls_back(monkeypatch, tmp_pa
 def test_per_layer_params_run_the_kernel_too(monkeypatch):
     # unstack_layers' layout (what the benchmarks and the CLI decode) gets the kernel's layout
     import jaxgen
+    from jaxgen.backends.cpu import layer_split
     from jaxgen.loops.decode import DecodeLoop
-    from jaxgen.models import layer_split, tiny_llama, unstack_layers
+    from jaxgen.models import tiny_llama, unstack_layers
     from jaxgen.runtime import compiled
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
@@ -175,7 +174,7 @@ def test_per_layer_params_run_the_kernel_too(monkeypatch):
     per_layer = unstack_layers(model, params)
     cfg = jaxgen.GenerationConfig(max_new_tokens=5, pad_token_id=0)
     state = jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg)
-    laid_out = compiled._laid_out(per_layer, state, DecodeLoop(), cfg)
+    laid_out = compiled._laid_out(per_layer, state, DecodeLoop(), cfg, "auto")
     assert isinstance(laid_out["layers"][1]["wqkv"], KernelMatrix)
     assert layer_split.decoding_plan(model, laid_out, 2) is None  # laid out: left as it is
     got = jaxgen.generate(per_layer, state, cfg)

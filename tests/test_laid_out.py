@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgen
+from jaxgen.backends.cpu import layer_split
 from jaxgen.backends.cpu.kernels import few_rows
 from jaxgen.drivers.streamers import BaseStreamer
-from jaxgen.models import layer_split, tiny_llama
+from jaxgen.models import tiny_llama
 from jaxgen.runtime import compiled
 
 
@@ -24,20 +25,20 @@ class Quiet(BaseStreamer):
 def _setup(monkeypatch):
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)  # as if the tiny model were large
     calls = []
-    real = compiled._split_pieces_cached
+    real = compiled._layout_pieces_jit
 
-    def counting(params, **plan):
-        calls.append(plan)
-        return real(params, **plan)
+    def counting(params, *, loop, layout):  # loop: the plan, as sorted (keyword, value) pairs
+        calls.append(dict(loop))
+        return real(params, loop=loop, layout=layout)
 
-    monkeypatch.setattr(compiled, "_split_pieces_cached", counting)
+    monkeypatch.setattr(compiled, "_layout_pieces_jit", counting)
     compiled._LAID_OUT.clear()
     return calls
 
 
-def _generate(model, params, prompts, **settings):
+def _generate(model, params, prompts, layout="auto", **settings):
     cfg = jaxgen.GenerationConfig(max_new_tokens=5, pad_token_id=0, **settings)
-    return jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg), cfg)
+    return jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg), cfg, layout=layout)
 
 
 def test_the_same_params_are_laid_out_once_across_calls_and_chunks(monkeypatch):
@@ -49,9 +50,8 @@ def test_the_same_params_are_laid_out_once_across_calls_and_chunks(monkeypatch):
     streamed = jaxgen.generate(params, jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg), cfg,
                                streamer=[Quiet(), Quiet()])
     assert len(calls) == 1  # three calls (one streamed in chunks), one layout
-    monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", "stacked")
-    jax.clear_caches()
-    stacked = _generate(model, params, [[3, 1, 4], [1, 5]])
+    stacked = _generate(model, params, [[3, 1, 4], [1, 5]], layout="portable")
+    assert len(calls) == 1  # the portable program lays nothing out
     assert jnp.array_equal(first.sequences, stacked.sequences)
     assert jnp.array_equal(streamed.sequences, stacked.sequences)
     assert again.sequences.shape == first.sequences.shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxgen.backends.cpu import layer_split
 from jaxgen.backends.cpu.layer_split import is_stacked, split_layers
 from jaxgen.core.step import forward_last
 from jaxgen.models import tiny_llama, unstack_layers
@@ -60,37 +61,32 @@ def test_split_is_the_unstacked_layout():
 
 def _generate_counting_splits(monkeypatch, layout, max_new_tokens, prompts=((3, 1, 4), (1, 5)),
                               **settings):
-    """generate() on a tiny Llama with $JAXGEN_LAYER_LAYOUT=layout: (output, the `fuse` flag
-    of each layout planned)."""
+    """generate(..., layout=layout) on a tiny Llama: (output, the `fuse` flag of each layout
+    planned)."""
     from layout_plans import record_layout_plans
 
     import jaxgen
 
     plans = record_layout_plans(monkeypatch)
-    monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # XLA's layouts; the kernel: test_few_rows_kernel.py
     model, params = tiny_llama(num_layers=3, intermediate_size=40)
     cfg = jaxgen.GenerationConfig(max_new_tokens=max_new_tokens, **settings)
-    out = jaxgen.generate(params, jaxgen.init_state(model, [list(p) for p in prompts], cfg), cfg)
+    out = jaxgen.generate(params, jaxgen.init_state(model, [list(p) for p in prompts], cfg), cfg,
+                          layout=layout)
     return out, [plan["fuse"] for plan in plans]
 
 
 def test_generate_decodes_split_weights_by_default_on_cpu(monkeypatch):
-    # the setting is read when a program is traced: distinct lengths trace distinct programs
-    from jaxgen.models import layer_split
-
     small, small_calls = _generate_counting_splits(monkeypatch, "auto", 4)
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)  # as if the tiny model were large
     split, split_calls = _generate_counting_splits(monkeypatch, "auto", 5)
-    stacked, stacked_calls = _generate_counting_splits(monkeypatch, "stacked", 6)
+    stacked, stacked_calls = _generate_counting_splits(monkeypatch, "portable", 6)
     assert small_calls == [] and split_calls == [True] and stacked_calls == []  # 2 rows
     for row, length in enumerate(split.lengths.tolist()):  # the same first 5 new tokens
         assert jnp.array_equal(split.sequences[row, :length], stacked.sequences[row, :length])
 
 
 def test_auto_splits_only_layer_weights_large_enough_to_gain():
-    from jaxgen.models import layer_split
-
     model, params = tiny_llama()
     assert layer_split._layer_bytes(params) < layer_split.SPLIT_MIN_BYTES
     assert layer_split.for_decoding(model, params) is params
@@ -99,22 +95,62 @@ def test_auto_splits_only_layer_weights_large_enough_to_gain():
     assert not layer_split.is_stacked(layer_split.for_decoding(model, big))
 
 
-def test_a_bad_layout_setting_names_the_variable_and_the_choices(monkeypatch):
+def test_a_bad_layout_names_the_argument_and_the_choices_before_anything_compiles(monkeypatch):
     import pytest
+    from layout_plans import record_layout_plans
 
-    from jaxgen.backends.cpu.layer_split import layout_setting
+    import jaxgen
+    from jaxgen.api.plan import make_plan
+    from jaxgen.models import TINY_VOCAB, tiny_tokenizer
 
-    monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", "fused")
-    with pytest.raises(ValueError, match=r"JAXGEN_LAYER_LAYOUT='fused'.*auto, stacked, split"):
-        layout_setting()
+    plans = record_layout_plans(monkeypatch)
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
+    model, params = tiny_llama(num_layers=3, intermediate_size=40)
+    cfg = jaxgen.GenerationConfig(max_new_tokens=3)
+    state = jaxgen.init_state(model, [[3, 1, 4]], cfg)
+    before = jaxgen.trace_count()
+    allowed = "expected one of 'auto', 'portable', 'split'"
+    for bad in ("fused", "stacked", None):  # the old "stacked" is now "portable"
+        with pytest.raises(ValueError, match=rf"layout={bad!r} is not a layout; {allowed}"):
+            jaxgen.generate(params, state, cfg, layout=bad)
+    choices = rf"layout='fused' is not a layout; {allowed}"
+    with pytest.raises(ValueError, match=choices):
+        jaxgen.generate_ids(model, params, [[3, 1, 4]], cfg, layout="fused")
+    with pytest.raises(ValueError, match=choices):
+        jaxgen.generate_text(*tiny_llama(vocab_size=TINY_VOCAB), tiny_tokenizer(), ["hi"], cfg,
+                             layout="fused")
+    with pytest.raises(ValueError, match=choices):
+        make_plan(state, cfg, layout="fused")
+    assert jaxgen.trace_count() == before and plans == []  # refused before any layout or trace
+
+
+def test_switching_the_layout_between_calls_needs_no_cache_clearing(monkeypatch):
+    from layout_plans import record_layout_plans
+
+    import jaxgen
+
+    plans = record_layout_plans(monkeypatch)
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
+    model, params = tiny_llama(num_layers=3, intermediate_size=40)
+    cfg = jaxgen.GenerationConfig(max_new_tokens=4)
+    prompts = [[3, 1, 4], [1, 5]]
+    outs, traced = {}, []
+    for layout in ("portable", "split", "portable", "auto"):  # one process, no jax.clear_caches
+        before, traces = len(plans), jaxgen.trace_count()
+        outs.setdefault(layout, []).append(
+            jaxgen.generate(params, jaxgen.init_state(model, prompts, cfg), cfg, layout=layout))
+        assert (len(plans) > before) == (layout != "portable"), layout  # each call's own layout
+        traced.append(jaxgen.trace_count() - traces)
+    assert traced == [1, 1, 0, 1]  # a program per layout (a static argument), each kept
+    for out in (*outs["portable"], *outs["split"], *outs["auto"]):
+        assert jnp.array_equal(out.sequences, outs["portable"][0].sequences)
 
 
 def test_one_row_programs_fuse_the_projections_and_keep_the_tokens(monkeypatch):
-    from jaxgen.models import layer_split
-
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
     one, one_calls = _generate_counting_splits(monkeypatch, "auto", 7, prompts=((3, 1, 4),))
-    stacked, _ = _generate_counting_splits(monkeypatch, "stacked", 8, prompts=((3, 1, 4),))
+    stacked, _ = _generate_counting_splits(monkeypatch, "portable", 8, prompts=((3, 1, 4),))
     assert one_calls == [True]  # batch 1, plain decoding: fused
     assert jnp.array_equal(one.sequences[0, :one.lengths[0]],
                            stacked.sequences[0, :one.lengths[0]])
@@ -123,12 +159,11 @@ def test_one_row_programs_fuse_the_projections_and_keep_the_tokens(monkeypatch):
 def test_programs_fuse_when_every_forward_runs_at_most_four_rows(monkeypatch):
     """Plain and assisted decoding: the batch (a plain step); beam search: batch x beams."""
     import jaxgen
-    from jaxgen.backends.cpu.rowwise import ROWWISE_MAX_ROWS
+    from jaxgen.backends.cpu.tuning import ROWWISE_MAX_ROWS
     from jaxgen.loops.beam import BeamLoop
     from jaxgen.loops.decode import DecodeLoop
-    from jaxgen.models import layer_split
-    from jaxgen.runtime.compiled import _decoding_inputs
-    from jaxgen.speculative import prompt_lookup
+    from jaxgen.runtime.compiled import _prepared
+    from jaxgen.speculative.drafters import prompt_lookup
     from jaxgen.speculative.loop import SpeculativeLoop
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
@@ -138,7 +173,7 @@ def test_programs_fuse_when_every_forward_runs_at_most_four_rows(monkeypatch):
     def fused(loop, batch, **settings) -> bool:
         cfg = jaxgen.GenerationConfig(max_new_tokens=2, pad_token_id=0, **settings)
         state = jaxgen.init_state(model, [[3, 1, 4]] * batch, cfg)
-        return "wqkv" in _decoding_inputs(params, state, loop, cfg)[0]["layers"][0]
+        return "wqkv" in _prepared(params, state, loop, cfg, "auto")[0]["layers"][0]
 
     top = ROWWISE_MAX_ROWS
     assert fused(DecodeLoop(), top) and not fused(DecodeLoop(), top + 1)

@@ -6,12 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen.backends.cpu.kernel_matrix import (
-    KERNEL_MAX_ROWS,
-    STACKED_KERNEL_MAX_ROWS,
-    kernel_layers,
-    kernel_stacks,
-)
+from jaxgen.backends.cpu.kernel_matrix import kernel_layers, kernel_stacks
 from jaxgen.backends.cpu.kernels.quantized_rows import (
     available,
     expand,
@@ -22,6 +17,7 @@ from jaxgen.backends.cpu.quantized_kernel_matrix import (
     QuantizedKernelMatrix,
     kernel_takes,
 )
+from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS
 from jaxgen.models.gguf_blocks import block_matrix
 from jaxgen.models.quantize import Int8Matrix, quantize_matrix
 
@@ -159,7 +155,8 @@ def test_one_row_programs_take_the_kernel_for_quantized_weights_whatever_the_row
         monkeypatch):
     # XLA expands quantized weights in memory before each product: the kernel wins at one row
     # on every build, where the float32 one-row decision waits for the 8-row build
-    from jaxgen.models import layer_split, tiny_llama
+    from jaxgen.backends.cpu import layer_split
+    from jaxgen.models import tiny_llama
     from jaxgen.models.quantize import quantize_params
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
@@ -188,8 +185,8 @@ def _params(tmp_path, source):
 def test_generate_on_quantized_weights_with_the_kernel_gives_xla_s_tokens(
         monkeypatch, tmp_path, source, batch, settings):
     import jaxgen
+    from jaxgen.backends.cpu import layer_split
     from jaxgen.loops.decode import DecodeLoop
-    from jaxgen.models import layer_split
     from jaxgen.runtime import compiled
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
@@ -202,7 +199,8 @@ def test_generate_on_quantized_weights_with_the_kernel_gives_xla_s_tokens(
         jax.clear_caches()  # the setting is read at trace time
         compiled._LAID_OUT.clear()
         state = jaxgen.init_state(model, prompts, cfg)
-        lowered = compiled._run_kept.lower(params, state, cfg, None, loop=DecodeLoop()).as_text()
+        lowered = compiled._run_kept.lower(params, state, cfg, None, loop=DecodeLoop(),
+                                           layout="auto").as_text()
         assert (TARGET in lowered) == (setting == "auto"), setting
         runs_[setting] = jaxgen.generate(params, state, cfg)
     assert jnp.array_equal(runs_["auto"].sequences, runs_["off"].sequences)
@@ -213,7 +211,7 @@ def test_generate_on_quantized_weights_with_the_kernel_gives_xla_s_tokens(
 
 def test_second_call_on_quantized_weights_does_not_recompile(monkeypatch, tmp_path):
     import jaxgen
-    from jaxgen.models import layer_split
+    from jaxgen.backends.cpu import layer_split
     from jaxgen.runtime.compiled import trace_count
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxgen.backends.cpu.rowwise import ROWWISE_MAX_ROWS, RowwiseMatrix, rowwise_layer
+from jaxgen.backends.cpu.rowwise import RowwiseMatrix, rowwise_layer
+from jaxgen.backends.cpu.tuning import ROWWISE_MAX_ROWS
 
 
 def _dots(fn, *args) -> int:
@@ -40,25 +41,24 @@ def _beam_run(monkeypatch, layout, new_tokens):
     from layout_plans import record_layout_plans
 
     import jaxgen
-    from jaxgen.models import layer_split, tiny_llama
+    from jaxgen.backends.cpu import layer_split
+    from jaxgen.models import tiny_llama
 
     plans = record_layout_plans(monkeypatch)
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setenv("JAXGEN_LAYER_LAYOUT", layout)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")  # XLA's products (the kernel's own tests: test_few_rows_kernel.py)
     model, params = tiny_llama(num_layers=2, intermediate_size=40)
     cfg = jaxgen.GenerationConfig(num_beams=4, num_return_sequences=2,
                                   max_new_tokens=new_tokens, pad_token_id=0)
-    out = jaxgen.generate(params, jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg), cfg)
+    out = jaxgen.generate(params, jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg), cfg,
+                          layout=layout)
     return out, [plan["rowwise"] for plan in plans]
 
 
 def test_beam_search_runs_rowwise_weights_with_the_stacked_layouts_beams(monkeypatch):
-    # the layout is read at trace time: each run traces its own program
-    jax.clear_caches()
+    # the layout is a static argument: each run has its own program, no cache cleared
     rowwise, seen = _beam_run(monkeypatch, "auto", 5)
-    jax.clear_caches()
-    stacked, stacked_seen = _beam_run(monkeypatch, "stacked", 5)
+    stacked, stacked_seen = _beam_run(monkeypatch, "portable", 5)
     assert seen == [True] and stacked_seen == []
     assert jnp.array_equal(rowwise.sequences, stacked.sequences)
     assert jnp.allclose(rowwise.sequences_scores, stacked.sequences_scores, atol=1e-5)
