@@ -31,8 +31,7 @@ from bench_speculative import PASSAGES, TASKS, chat_prompts
 from report_table import table_header, table_row
 
 import jaxgen
-from jaxgen import init_state
-from jaxgen.api import generate
+from jaxgen import generate, init_state
 from jaxgen.api.generate import default_config, outputs_to_lists
 
 OPEN_ENDED = ["Write a short poem about the sea.",

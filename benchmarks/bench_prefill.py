@@ -83,8 +83,8 @@ def main() -> None:
     import torch
     from bench_speed import write_f32_gguf
 
-    from jaxgen.models.hf_export import hf_from_jaxgen
     from jaxgen.models.embedded import embedded_path
+    from jaxgen.models.hf_export import hf_from_jaxgen
 
     torch.set_num_threads(args.threads)
     model, params, tokenizer = load(DEFAULT_MODEL)

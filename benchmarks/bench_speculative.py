@@ -29,8 +29,7 @@ import numpy as np
 from report_table import table_header, table_row
 
 import jaxgen
-from jaxgen import init_state
-from jaxgen.api import generate
+from jaxgen import generate, init_state
 from jaxgen.api.generate import default_config, outputs_to_lists
 
 PASSAGES = [

@@ -348,8 +348,8 @@ def main() -> None:
 
     import torch
 
-    from jaxgen.models.hf_export import hf_from_jaxgen
     from jaxgen.models.embedded import embedded_path
+    from jaxgen.models.hf_export import hf_from_jaxgen
 
     torch.set_num_threads(args.threads)
     hf = hf_from_jaxgen(model, stacked)

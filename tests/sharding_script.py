@@ -32,8 +32,8 @@ import numpy as np
 import jaxgen
 from jaxgen.models import tiny_llama, unstack_layers
 from jaxgen.models.exit_adapter import init_exit_adapter
-from jaxgen.models.quantize import quantize_params
 from jaxgen.models.param_sharding import shard
+from jaxgen.models.quantize import quantize_params
 
 MESHES = ((1, 8), (2, 4), (8, 1))
 CHECKS: dict[str, dict] = {}

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import jaxgen
+from jaxgen.api.quantized_agreement import TIE_GAP
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.int8 import dequantize, hadamard, pack4, quantize, unpack4
 from jaxgen.config.generation import GenerationConfig
-from jaxgen.api.quantized_agreement import TIE_GAP
 
 PROMPTS = [
     "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",

@@ -11,7 +11,11 @@ import pytest
 
 import jaxgen
 from jaxgen.cache import make_cache
-from jaxgen.cache.layer_forms import holds_layer_tuples, to_layer_tuples, to_stacked_layers
+from jaxgen.cache.layer_forms import (
+    holds_layer_tuples,
+    to_layer_tuples,
+    to_stacked_layers,
+)
 from jaxgen.models import tiny_llama
 
 KINDS = [("static", None), ("dynamic", None), ("quantized", {"nbits": 8, "residual_length": 2}),

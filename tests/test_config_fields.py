@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen.config.generation import GenerationConfig
 from jaxgen.config import generation as C
+from jaxgen.config.generation import GenerationConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,8 +12,7 @@ from exact_sampling import chi_square
 from stubs import BigramStub
 from test_speculative import SMALL_V, _exact_joint, _sample_cfg
 
-from jaxgen import init_state
-from jaxgen.api import generate
+from jaxgen import generate, init_state
 from jaxgen.api.generate import generate_ids
 from jaxgen.models import tiny_llama
 from jaxgen.models.draft_vocab import (

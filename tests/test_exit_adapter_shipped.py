@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import jaxgen
-from jaxgen import init_state
-from jaxgen.api import generate
+from jaxgen import generate, init_state
 from jaxgen.api.generate import default_config, outputs_to_lists
 from jaxgen.models import LlamaConfig
 

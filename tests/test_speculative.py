@@ -11,11 +11,10 @@ from exact_sampling import SMALL_V, chi_square
 from stubs import BigramStub, random_table
 
 import jaxgen
-from jaxgen import GenerationConfig, init_state
-from jaxgen.api import generate
+from jaxgen import GenerationConfig, generate, init_state
 from jaxgen.api.generate import outputs_to_lists
-from jaxgen.speculative.verify import accept_greedy, accept_sample, assemble
 from jaxgen.speculative.drafters.prompt_lookup import lookup_drafts
+from jaxgen.speculative.verify import accept_greedy, accept_sample, assemble
 
 V = 12
 MODEL = BigramStub(vocab_size=V, pad_token_id=0, eos_token_id=(1,))

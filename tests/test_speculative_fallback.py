@@ -9,8 +9,7 @@ import pytest
 from stubs import BigramStub, random_table
 
 import jaxgen
-from jaxgen import GenerationConfig, init_state
-from jaxgen.api import generate
+from jaxgen import GenerationConfig, generate, init_state
 from jaxgen.api.generate import outputs_to_lists
 from jaxgen.speculative.fallback import FallbackState, gate_rows
 from jaxgen.speculative.loop import draft_buckets

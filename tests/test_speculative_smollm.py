@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import jaxgen
-from jaxgen import init_state
-from jaxgen.api import generate
+from jaxgen import generate, init_state
 from jaxgen.api.generate import default_config, outputs_to_lists
 
 TEXTS = ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",

@@ -11,14 +11,14 @@ from jaxgen.models import Llama, tiny_llama
 from jaxgen.train import fit_exit_adapter as exit_recipe
 from jaxgen.train.batches import DistillSet, pick, position_batch, sequence_batch
 from jaxgen.train.checkpoint import checkpoint_manager, restore_latest, save_state
-from jaxgen.train.trainer import TrainConfig, train
-from jaxgen.train.optim import OptimConfig
 from jaxgen.train.fit_standalone_draft import (
     draft_config,
     init_draft,
     make_loss,
     target_frozen,
 )
+from jaxgen.train.optim import OptimConfig
+from jaxgen.train.trainer import TrainConfig, train
 
 SEQS, LENGTH, PROMPT = 16, 12, 3
 

@@ -14,8 +14,8 @@ from jaxgen.models.mtp_drafter import MtpDrafterModel, drafter_with_draft_head
 from jaxgen.models.mtp_drafter_io import load_mtp_drafter
 from jaxgen.train import fit_mtp_drafter as recipe
 from jaxgen.train.batches import sequence_batch
-from jaxgen.train.trainer import TrainConfig, train
 from jaxgen.train.optim import OptimConfig
+from jaxgen.train.trainer import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +126,7 @@ def test_shipped_mtp_drafter_is_lossless_on_smollm2():
     """load("smollm2-135m-instruct-mtp-drafter") fits the target and greedy with it equals
     plain greedy (ragged batch of 2), with some drafts accepted."""
     import jaxgen
-    from jaxgen import init_state
-    from jaxgen.api import generate
+    from jaxgen import generate, init_state
     from jaxgen.api.generate import default_config, outputs_to_lists
 
     model, params, tokenizer = jaxgen.models.load("smollm2-135m-instruct")

@@ -14,8 +14,8 @@ from jaxgen.models.mtp import teacher_forced_logits
 from jaxgen.models.shipped_drafters import attach_mtp_layer
 from jaxgen.train import fit_mtp_layer as recipe
 from jaxgen.train.batches import sequence_batch
-from jaxgen.train.trainer import TrainConfig, train
 from jaxgen.train.optim import OptimConfig
+from jaxgen.train.trainer import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,7 @@ def test_shipped_mtp_layer_is_lossless_and_accepts_on_smollm2():
     layer's acceptance rate was 0.34 at K=1 (mean accepted length 1.34); a random layer
     (std 0.02) proposes near-uniform tokens over 49k, accepted by chance only."""
     import jaxgen
-    from jaxgen import init_state
-    from jaxgen.api import generate
+    from jaxgen import generate, init_state
     from jaxgen.api.generate import default_config, outputs_to_lists
     from jaxgen.models.mtp import init_mtp_params
 

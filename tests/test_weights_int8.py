@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import jaxgen
+from jaxgen.api.quantized_agreement import greedy_agreement
 from jaxgen.models import load, tiny_llama, unstack_layers
 from jaxgen.models.quantize import Int8Matrix, quantize_matrix, quantize_params
-from jaxgen.api.quantized_agreement import greedy_agreement
 
 
 def sharp_tiny():
