@@ -62,6 +62,27 @@ def worker(new_tokens: int, repeats: int) -> dict:
     return out
 
 
+def host_line() -> str:
+    """The CPU's vector flags and a bandwidth probe (GB/s of a jitted fp32 matrix-vector
+    product over 512 MB, best of 10), for the table's host line."""
+    import jax
+    import jax.numpy as jnp
+
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = set(f.read().split())
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    matrix = jax.random.normal(jax.random.key(0), (16384, 8192), jnp.float32)  # 512 MB
+    vector = jnp.ones((8192,), jnp.float32)
+    matvec = jax.jit(lambda m, v: m @ v)
+    matvec(matrix, vector).block_until_ready()
+    best = float("inf")
+    for _ in range(10):
+        start = time.perf_counter()
+        matvec(matrix, vector).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return f"host: {os.cpu_count()} CPUs, {simd}, bandwidth probe {matrix.nbytes / best / 1e9:.1f} GB/s"
+
+
 def run_tree(tree: str, new_tokens: int, repeats: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
@@ -98,6 +119,7 @@ def main(argv=None) -> None:
         a = 1e3 * statistics.median(times["A"][name])
         b = 1e3 * statistics.median(times["B"][name])
         print(table_row(name, f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}"))
+    print(host_line())
 
 
 if __name__ == "__main__":
