@@ -25,6 +25,7 @@ PACKAGE = ROOT / "jaxgen"
 # Top-level packages of jaxgen, lowest floor first. A package imports only lower floors.
 FLOORS = {
     "jaxgen.cache": 0,        # KV caches and attention over them
+    "jaxgen.storage": 0,      # private cache folders and files, keyed checksums
     "jaxgen.config": 1,       # GenerationConfig, field checks, watermarking settings
     "jaxgen.stopping": 2,     # stop reasons, criteria, stop strings
     "jaxgen.logits": 2,       # the processor chain, warpers, sampling, watermarking
