@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from jaxgen.models import tiny_llama, tiny_tokenizer
+from jaxgen.storage.keyed_hash import KEY_FILE
 from jaxgen.models.gguf_cache import (
+    FORMAT_VERSION,
     MANIFEST,
     WEIGHTS,
     CacheEntryError,
@@ -121,7 +123,8 @@ def test_a_changed_file_gets_a_fresh_entry_and_the_old_one_goes(tmp_path):
     assert entry_name(path) != old
     load_cached(path, jnp.float32, str(cache), build)
     assert len(calls) == 2
-    assert sorted(p.name for p in cache.iterdir()) == [entry_name(path)]
+    entries = sorted(p.name for p in cache.iterdir() if p.name != KEY_FILE)  # not the key
+    assert entries == [entry_name(path)]
 
 
 def test_a_crashed_build_is_cleaned_up_later(tmp_path):
@@ -176,8 +179,8 @@ def test_second_run_takes_everything_from_the_cache(tmp_path):
     cold = _cli(args, cache)
     assert "model cache built" in _cache_line(cold)
     assert (cache / "xla").is_dir() and any((cache / "xla").iterdir())
-    [entry] = list((cache / "models").iterdir())
-    assert json.loads((entry / MANIFEST).read_text())["format"] == 1
+    [entry] = [p for p in (cache / "models").iterdir() if p.name != KEY_FILE]
+    assert json.loads((entry / MANIFEST).read_text())["format"] == FORMAT_VERSION
     warm = _cli(args, cache)
     line = _cache_line(warm)
     assert "model cache hit" in line and " 0 compiled" in line, line
@@ -193,7 +196,7 @@ def test_cli_rebuilds_a_damaged_model_cache(tmp_path):
     cache = tmp_path / "cache"
     args = ["--max-new-tokens", "4", "--verbose", "Hi"]
     cold = _cli(args, cache)
-    [entry] = list((cache / "models").iterdir())
+    [entry] = [p for p in (cache / "models").iterdir() if p.name != KEY_FILE]
     _damage_weights_bytes(str(entry))
     again = _cli(args, cache)
     assert "model cache rebuilt" in _cache_line(again)

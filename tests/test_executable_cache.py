@@ -14,6 +14,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxgen.runtime import executable_cache
 from jaxgen.runtime.executable_cache import ExecutableStore, program_key
@@ -34,8 +35,23 @@ def _script(*args: str, **env: str) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+def _native_targets(folder) -> dict:
+    """Entry name -> the native targets its header records (read as the store reads it)."""
+    folder = pathlib.Path(folder)
+    secret = (folder / "key").read_bytes()
+    out = {}
+    for path in folder.glob("*" + executable_cache.SUFFIX):
+        name, key = path.name[:-len(executable_cache.SUFFIX)].rsplit("-", 1)
+        header, _ = executable_cache.open_entry(path.read_bytes(), secret, key)
+        out[name] = header["native_targets"]
+    return out
+
+
 def test_a_warm_process_compiles_nothing_and_damaged_entries_fall_back(tmp_path):
-    rounds = json.loads(_script(str(tmp_path / "executables")))
+    # no compiler and an empty kernel folder: a program that calls no kernel never builds one
+    no_kernels = {"CXX": str(tmp_path / "no-compiler"),
+                  "JAXGEN_KERNEL_DIR": str(tmp_path / "kernels")}
+    rounds = json.loads(_script(str(tmp_path / "executables"), **no_kernels))
     first, warm, damaged, repaired = (rounds[name]
                                       for name in ("first", "warm", "damaged", "repaired"))
     assert rounds["entries"] == 3  # start, advance (streamed), run_donated (one call)
@@ -51,6 +67,9 @@ def test_a_warm_process_compiles_nothing_and_damaged_entries_fall_back(tmp_path)
     assert damaged["traced"] == 3 and damaged["tokens"] == first["tokens"]
     assert repaired["stats"]["hits"] == 3 and repaired["compiles"] == 0
     assert repaired["tokens"] == first["tokens"]
+    assert _native_targets(tmp_path / "executables") == {
+        "start": [], "advance": [], "run_donated": []}
+    assert not (tmp_path / "kernels").exists()  # nothing asked for a kernel
 
 
 def test_the_key_is_the_same_in_another_process_and_changes_with_the_program():
@@ -96,12 +115,26 @@ def test_calls_it_cannot_key_run_as_plain_jits(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_an_unwritable_folder_only_costs_the_compile(tmp_path):
+def test_a_folder_it_cannot_make_falls_back_with_a_warning(tmp_path):
     add = jax.jit(lambda x, *, loop: x + loop, static_argnames=("loop",))
-    store = ExecutableStore(str(tmp_path / "missing"))  # writes fail: no such folder
+    blocker = tmp_path / "a-file"
+    blocker.write_text("no folder can be made under a file")
+    with pytest.warns(RuntimeWarning, match="not using the executable cache"):
+        store = ExecutableStore(str(blocker / "executables"))
+    assert store.call("add", add, (jnp.arange(3),), {"loop": 2}).tolist() == [2, 3, 4]
+    assert store.counts["written"] == 1 and not store.folder.startswith(str(blocker))
+
+
+def test_a_failed_write_only_costs_the_compile(tmp_path, monkeypatch):
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(executable_cache, "write_private_file", disk_full)
+    add = jax.jit(lambda x, *, loop: x + loop, static_argnames=("loop",))
+    store = ExecutableStore(str(tmp_path))
     assert store.call("add", add, (jnp.arange(3),), {"loop": 2}).tolist() == [2, 3, 4]
     assert store.call("add", add, (jnp.arange(3),), {"loop": 2}).tolist() == [2, 3, 4]
-    assert store.counts["written"] == 0 and not (tmp_path / "missing").exists()
+    assert store.counts["written"] == 0 and not list(tmp_path.glob("*.exe"))
 
 
 def test_old_entries_are_pruned(tmp_path, monkeypatch):
@@ -111,7 +144,7 @@ def test_old_entries_are_pruned(tmp_path, monkeypatch):
     store = ExecutableStore(str(tmp_path))
     for offset in range(count + 2):
         store.call("add", add, (jnp.arange(3),), {"loop": offset})
-    assert len(os.listdir(tmp_path)) == count
+    assert len(list(tmp_path.glob("*" + executable_cache.SUFFIX))) == count
 
 
 def test_a_fresh_process_runs_stored_programs_that_call_the_native_kernel(tmp_path):
@@ -123,3 +156,5 @@ def test_a_fresh_process_runs_stored_programs_that_call_the_native_kernel(tmp_pa
     assert first["stats"]["written"] == 4  # and the weights' layout program
     assert again["stats"]["hits"] == 4 and again["compiles"] == 0
     assert again["tokens"] == first["tokens"]
+    targets = _native_targets(folder)
+    assert targets["run_donated"] == ["jaxgen_few_rows"] and targets["layout_pieces"] == []

@@ -254,8 +254,9 @@ def test_bad_negative_prompts_are_refused_before_compiling():
              negative_prompt_attention_mask=np.array([[1, 0], [1, 1]]))
     _refused(model, params, two, "needs negative_prompt_ids",
              negative_prompt_attention_mask=np.ones((2, 2), np.int32))
-    _refused(model, params, two, "negative prompt 0 .* needs .* positions, more than the "
-             "state's buffer", negative_prompt_ids=[list(range(1, 21)), [1]])
+    # init_state's buffer: prompt bucket 16 + 64 new-token slots; 77 + 4 positions do not fit
+    _refused(model, params, two, "negative prompt 0 .* needs 81 positions, more than the "
+             "state's buffer of 80", negative_prompt_ids=[[1 + i % 20 for i in range(77)], [1]])
     off = jaxgen.GenerationConfig(max_new_tokens=4, guidance_scale=1.0)
     _refused(model, params, two, "only apply with classifier-free guidance: set "
              "guidance_scale", cfg=off, negative_prompt_ids=[[1], [2]])

@@ -188,23 +188,38 @@ def _permute(w, n_head):  # llama.cpp's q/k row permutation (inverse of unpermut
         .swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, params, *, block_count=None, extra=(), poison=None, quant=None):
+def write_gguf(path, model, params, *, block_count=None, extra=(), poison=None, quant=None,
+               metadata=None):
     """A float32 llama GGUF of `model` (tied when the config is). quant: {tensor name:
-    gguf.GGMLQuantizationType} for tensors to store quantized (the rest stay F32)."""
+    gguf.GGMLQuantizationType} for tensors to store quantized (the rest stay F32).
+    metadata: {"llama.<key>": value} replacing the config's (None drops the key; a str is
+    stored as a string, a float as float32, a negative int as int32, another int as uint32)."""
     import gguf
     from gguf import GGUFWriter
 
     cfg = model.config
     writer = GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_layers if block_count is None else block_count)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    meta = {"llama.block_count": cfg.num_layers if block_count is None else block_count,
+            "llama.context_length": cfg.max_position_embeddings,
+            "llama.embedding_length": cfg.hidden_size,
+            "llama.feed_forward_length": cfg.intermediate_size,
+            "llama.attention.head_count": cfg.num_heads,
+            "llama.attention.head_count_kv": cfg.num_kv_heads,
+            "llama.rope.dimension_count": cfg.head_dim,
+            "llama.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+            "llama.vocab_size": cfg.vocab_size}
+    meta.update(metadata or {})
+    for key, value in meta.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif value < 0:
+            writer.add_int32(key, value)
+        else:
+            writer.add_uint32(key, value)
     arrays = to_hf_arrays(model, params)
     names = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}

@@ -96,7 +96,7 @@ def test_plan_under_vmap_donates_nothing():
         return jaxgen.generate(PARAMS, state, c).sequences
 
     out = jax.vmap(run)(jnp.array([0.5, 1.5]))
-    assert out.shape == (2, 2, state.buffer_len) and seen[0].donate is False
+    assert out.shape == (2, 2, state.visible_len) and seen[0].donate is False
 
 
 # ------------------------------------------------------------------------- a new drafter kind
@@ -310,5 +310,6 @@ def test_per_prompt_keys_give_each_copy_its_own_key():
 
 
 def test_a_buffer_larger_than_memory_is_refused_before_allocating():
+    model = Llama(dataclasses.replace(MODEL.config, max_position_embeddings=2**31 - 1))
     with pytest.raises(ValueError, match="GiB"):
-        jaxgen.init_state(MODEL, PROMPTS, jaxgen.GenerationConfig(max_new_tokens=2**30))
+        jaxgen.init_state(model, PROMPTS, jaxgen.GenerationConfig(max_new_tokens=2**30))

@@ -20,12 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxgen.api.plan import canonical_config, execute, make_plan
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.compile import resolve_constraint
 from jaxgen.core.output import GenerateOutput, outputs_to_lists
-from jaxgen.core.state import DecodeState, init_state
+from jaxgen.core.context import check_context, model_positions
+from jaxgen.core.state import DecodeState, check_state_shapes, init_state
 from jaxgen.drivers.chunked import end_streamers
 from jaxgen.loops.guidance_inputs import guidance_buffer_len
 from jaxgen.runtime.compiled import trace_count
@@ -45,6 +47,8 @@ def check_inputs(params, state: DecodeState, cfg: GenerationConfig) -> None:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
                 and leaf.is_deleted():
             raise ValueError(CONSUMED)
+    check_state_shapes(state)
+    check_state_context(state)
     cfg.validate_for_model(state.model.vocab_size)
     copies = cfg.sample_copies
     if state.batch % copies:
@@ -55,6 +59,16 @@ def check_inputs(params, state: DecodeState, cfg: GenerationConfig) -> None:
     check_params = getattr(state.model, "check_params", None)
     if callable(check_params):
         check_params(params)
+
+
+def check_state_context(state: DecodeState) -> None:
+    """ContextTooLong when a row's prompt plus its budget passes the model's positions (a
+    state built by hand; init_state checks its own). Traced states are not read."""
+    positions = model_positions(state.model)
+    if positions is None or isinstance(state.prompt_len, jax.core.Tracer) \
+            or isinstance(state.max_new, jax.core.Tracer):
+        return
+    check_context(positions, np.asarray(state.prompt_len), np.asarray(state.max_new))
 
 
 def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
@@ -134,7 +148,8 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
                  streamer=None, stop_event=None, mesh=None, negative_prompt_ids=None,
                  negative_prompt_attention_mask=None, regex=None, json_schema=None,
                  choices=None, constraint=None, prefix_allowed_tokens_fn=None,
-                 layout="auto", **overrides: Any) -> list[list[int]]:
+                 layout="auto", truncation: str | None = None,
+                 **overrides: Any) -> list[list[int]]:
     """Prompt + generated ids per row, padding removed (HF's output, row by row).
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (see `generate`).
@@ -150,6 +165,9 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
     every mode applies; constraint: a prebuilt jaxgen.constraints.automaton.TokenAutomaton.
     prefix_allowed_tokens_fn: HF's host function instead (see `generate`).
     layout: the programs' weight layout (see `generate`).
+    truncation: None (a prompt that does not fit the model's max_position_embeddings with
+    max_new_tokens raises jaxgen.core.context.ContextTooLong, naming it) or "left" (it keeps
+    its last tokens, as transformers' pipelines truncate); see init_state.
     """
     try:
         cfg = default_config(model, cfg, **overrides)
@@ -157,12 +175,12 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
                                         choices=choices, constraint=constraint,
                                         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
         state = init_state(model, prompts, cfg, key, tokenizer=tokenizer, mesh=mesh,
-                           constraint=constraint)
+                           constraint=constraint, truncation=truncation)
         wider = guidance_buffer_len(state, cfg, negative_prompt_ids,
                                     negative_prompt_attention_mask)
         if wider is not None:  # the negative prompts need a longer buffer than the prompts
             state = init_state(model, prompts, cfg, key, tokenizer=tokenizer, mesh=mesh,
-                               buffer_len=wider, constraint=constraint)
+                               buffer_len=wider, constraint=constraint, truncation=truncation)
     except BaseException as error:
         end_streamers(streamer, error)
         raise

@@ -53,11 +53,13 @@ from jaxgen.core.extensions import (
     make_extensions,
     resolve_custom_generate,
 )
-from jaxgen.core.output import GenerateOutput
-from jaxgen.core.state import DecodeState
+from jaxgen.config.program import program_config
+from jaxgen.core.output import GenerateOutput, trim_output
+from jaxgen.core.state import DecodeState, caller_state, program_state
 from jaxgen.drivers.chunked import DEFAULT_CHUNK, ChunkTimings, run_chunked
 from jaxgen.drivers.growing import grow_before_chunks, growing_chunk_size
 from jaxgen.drivers.prefix_hook import prefix_fn_hook
+from jaxgen.stopping.strings import program_tables
 from jaxgen.drivers.uad import run_uad
 from jaxgen.loops.beam import BeamLoop
 from jaxgen.loops.decode import DecodeLoop
@@ -323,11 +325,35 @@ def canonical_config(cfg: GenerationConfig) -> GenerationConfig:
     return jax.tree_util.tree_unflatten(treedef, [cast(n, v) for n, v in zip(names, leaves)])
 
 
-def execute(plan: Plan, params, state: DecodeState, cfg: GenerationConfig) -> GenerateOutput:
-    """Runs a plan. Consumes `state` when plan.donate."""
+def program_inputs(plan: Plan, state: DecodeState, cfg: GenerationConfig
+                   ) -> tuple[DecodeState, GenerationConfig]:
+    """(state, config) as the compiled programs take them: the config's dynamic leaves as
+    float32 / int32 arrays repeated to the state's rows, in program form
+    (jaxgen.config.program: budgets, stop strings and max_time out of the key, EOS ids a
+    dynamic table), the stop-string tables without their strings, and no visible_len. A
+    custom_generate loop gets the config as the caller wrote it (its code may read any
+    field)."""
     jit_cfg = canonical_config(cfg.replace(max_time=None) if cfg.max_time is not None else cfg)
     copies = cfg.sample_copies  # per-prompt values -> the init_state's expanded rows
     jit_cfg = jit_cfg.repeat_rows(state.batch // copies, copies)
+    if isinstance(plan.loop, CustomLoop):
+        return state.replace(visible_len=None), jit_cfg
+    return (program_state(state, program_tables(state.stop_tables)), program_config(jit_cfg))
+
+
+def execute(plan: Plan, params, state: DecodeState, cfg: GenerationConfig) -> GenerateOutput:
+    """Runs a plan. Consumes `state` when plan.donate. The outputs are trimmed to the
+    state's visible_len (the buffer may be padded to a bucket of new tokens)."""
+    given = state
+    state, jit_cfg = program_inputs(plan, state, cfg)
+    out = _run_plan(plan, params, state, cfg, jit_cfg)
+    if out.state is not None:
+        out = dataclasses.replace(out, state=caller_state(out.state, given))
+    return trim_output(out, given.visible_len, given.prompt_bucket)
+
+
+def _run_plan(plan: Plan, params, state: DecodeState, cfg: GenerationConfig,
+              jit_cfg: GenerationConfig) -> GenerateOutput:
     if plan.driver == "single":
         run = compiled.run_donated if plan.donate else compiled.run_kept
         return run(params, state, jit_cfg, plan.inputs, loop=plan.loop, layout=plan.layout)
@@ -348,4 +374,4 @@ def execute(plan: Plan, params, state: DecodeState, cfg: GenerationConfig) -> Ge
 
 
 __all__ = ["DRAFTERS", "CustomLoop", "Plan", "canonical_config", "choose_drafter", "execute",
-           "is_traced", "make_plan"]
+           "is_traced", "make_plan", "program_inputs"]

@@ -90,7 +90,8 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                   streamer=None, stop_event=None, timings=None, mesh=None,
                   negative_prompt: str | Sequence[str] | None = None, regex=None,
                   json_schema=None, choices=None, constraint=None,
-                  prefix_allowed_tokens_fn=None, layout="auto", **overrides: Any) -> list[str]:
+                  prefix_allowed_tokens_fn=None, layout="auto", truncation: str | None = None,
+                  **overrides: Any) -> list[str]:
     """Generates a continuation per prompt and returns only the new text of each row.
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (jaxgen.generate).
@@ -114,6 +115,10 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
     apply inside the compiled loop. constraint: a prebuilt TokenAutomaton;
     prefix_allowed_tokens_fn: Hugging Face's host function (see jaxgen.generate).
     layout: the programs' weight layout (see jaxgen.generate).
+    truncation: None (a prompt that does not fit the model's max_position_embeddings with
+    max_new_tokens raises jaxgen.core.context.ContextTooLong, naming the prompt, before
+    anything is allocated) or "left" (it keeps its last tokens, as transformers' pipelines
+    truncate; see jaxgen.init_state).
 
     Streamers are always ended: `end()`, or `fail(exc)` when generation raised (a consumer
     on another thread then raises instead of waiting).
@@ -129,11 +134,11 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                                         choices=choices, constraint=constraint,
                                         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
         state = init_state(model, rows, cfg, key, tokenizer=tokenizer, mesh=mesh,
-                           constraint=constraint)
+                           constraint=constraint, truncation=truncation)
         wider = guidance_buffer_len(state, cfg, negative)
         if wider is not None:  # the negative prompts need a longer buffer than the prompts
             state = init_state(model, rows, cfg, key, tokenizer=tokenizer, mesh=mesh,
-                               buffer_len=wider, constraint=constraint)
+                               buffer_len=wider, constraint=constraint, truncation=truncation)
     except BaseException as error:  # generate() never ran: end the streamers here
         from jaxgen.drivers.chunked import end_streamers
 
@@ -148,7 +153,6 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                    prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, layout=layout)
     check_logits_valid(out.stop_reason, len(rows))
     outputs = outputs_to_lists(out)
-    per_prompt = max(len(outputs) // len(rows), 1)  # num_return_sequences rows per prompt
-    return [tokenizer.decode(full[len(rows[i // per_prompt]):],
-                             skip_special_tokens=skip_special_tokens)
-            for i, full in enumerate(outputs)]
+    starts = np.asarray(out.prompt_lengths)  # [R] each row's prompt (truncated or not)
+    return [tokenizer.decode(full[int(start):], skip_special_tokens=skip_special_tokens)
+            for full, start in zip(outputs, starts)]

@@ -30,6 +30,16 @@ def choose_layout(args) -> str:
     return "stacked" if args.max_new_tokens <= STACKED_MAX_NEW_TOKENS else "unstacked"
 
 
+def params_for_layout(model, params, args):
+    """The weights as the run's layout holds them: per layer when it is unstacked (compiles
+    small programs: callers check their inputs first)."""
+    if choose_layout(args) != "unstacked":
+        return params
+    from jaxgen import models
+
+    return models.unstack_layers(model, params)
+
+
 LAYOUT_VARIABLE = "JAXGEN_LAYER_LAYOUT"  # the programs' layout when --layout does not settle it
 
 
@@ -48,4 +58,5 @@ def program_layout(args) -> str:
     return setting
 
 
-__all__ = ["LAYOUT_VARIABLE", "STACKED_MAX_NEW_TOKENS", "choose_layout", "program_layout"]
+__all__ = ["LAYOUT_VARIABLE", "STACKED_MAX_NEW_TOKENS", "choose_layout", "params_for_layout",
+           "program_layout"]

@@ -4,6 +4,7 @@
     $ jaxgen --chat                                         # interactive, history kept
     $ jaxgen --input prompts.jsonl --output out.jsonl       # batch work with a progress bar
     $ jaxgen --input prompts.jsonl --output out.jsonl --resume   # continue after a stop
+    $ jaxgen --truncation left --input long.jsonl       # prompts past the context keep their end
     $ jaxgen --model ./hf-folder --do-sample --temperature 0.7 --seed 1 "Hi"
     $ jaxgen --assistant ./small-draft "Hi"     # assisted decoding; a draft with another
                                                 # tokenizer runs universal assisted decoding
@@ -22,8 +23,8 @@ input, crash-safe output, --resume, Ctrl-C within one chunk) lives in jaxgen.cli
 Errors are one line on stderr, never a traceback, with an exit code:
     0 success, 1 runtime error (e.g. NaN/inf logits), 2 usage (flags, --output equal to
     --input, an existing --output without --resume / --overwrite), 3 model, 4 input or output
-    file (a bad record names file:line), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM,
-    batch mode).
+    file (a bad record names file:line), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
+Ctrl-C and SIGTERM stop the command within seconds wherever it is (jaxgen.cli.interrupts).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import time
 
 from jaxgen.cli.assisted import METHODS
 from jaxgen.cli.batch import run_batch
+from jaxgen.cli.batch_input import DEFAULT_MAX_RECORD_BYTES
+from jaxgen.cli.batch_prompts import TRUNCATION_CHOICES
 from jaxgen.cli.errors import (  # noqa: F401  (the codes are part of this module's interface)
     EXIT_INPUT,
     EXIT_INTERRUPTED,
@@ -43,7 +46,14 @@ from jaxgen.cli.errors import (  # noqa: F401  (the codes are part of this modul
     EXIT_USAGE,
     CliError,
 )
-from jaxgen.cli.layouts import STACKED_MAX_NEW_TOKENS, choose_layout, program_layout
+from jaxgen.cli.interrupts import Interrupted, SignalGuard
+from jaxgen.cli.layouts import (
+    STACKED_MAX_NEW_TOKENS,
+    choose_layout,
+    params_for_layout,
+    program_layout,
+)
+from jaxgen.cli.token_rate import tokens_per_second
 from jaxgen.models.quantize import WEIGHT_FORMATS
 
 INT32_MAX = 2**31 - 1
@@ -99,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace an --output that already holds results")
     parser.add_argument("--batch-size", type=_bounded_int(1, INT32_MAX), default=8,
                         help="rows per batch with --input")
+    parser.add_argument("--max-record-bytes", type=_bounded_int(1, 2**40),
+                        default=None, metavar="N",
+                        help="the longest --input line accepted, in bytes (default "
+                             f"{DEFAULT_MAX_RECORD_BYTES}, 16 MiB); a longer one is an error "
+                             "naming its file:line")
+    parser.add_argument("--truncation", choices=TRUNCATION_CHOICES, default="none",
+                        help="a prompt that does not fit the model's positions together with "
+                             "--max-new-tokens: none (an error naming it, the default) or left "
+                             "(keep its last tokens, as transformers' pipelines with "
+                             "truncation_side='left')")
     parser.add_argument("--no-stream", action="store_true", help="print the answer at the end")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="float",
@@ -130,12 +150,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _overrides(args, model) -> dict:
-    from jaxgen.cli.assisted import config_fields
+# The GenerationConfig field each flag sets: a config error names the flag.
+FLAG_OF_FIELD = {"max_new_tokens": "--max-new-tokens", "do_sample": "--do-sample",
+                 "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                 "repetition_penalty": "--repetition-penalty",
+                 "num_assistant_tokens": "--draft-tokens",
+                 "prompt_lookup_num_tokens": "--draft-tokens",
+                 "assistant_early_exit": "--exit-layer"}
 
+
+def flag_error(error: Exception) -> CliError:
+    """A GenerationConfig error as a usage error that names the flag (exit 2).
+
+    >>> str(flag_error(ValueError("`top_p` must be a float in (0, 1], got 2.0")))
+    '--top-p: `top_p` must be a float in (0, 1], got 2.0'
+    """
+    text = str(error)
+    for field, flag in FLAG_OF_FIELD.items():
+        if f"`{field}`" in text or text.startswith(f"{field}=") or f" {field}=" in text:
+            return CliError(f"{flag}: {text}", EXIT_USAGE)
+    return CliError(text, EXIT_USAGE)
+
+
+def _sampling_fields(args) -> dict:
     fields = {"max_new_tokens": args.max_new_tokens}
-    fields.update(config_fields(args.speculative, draft_tokens=args.draft_tokens,
-                                exit_layer=args.exit_layer, model=model))
     if args.do_sample:
         fields["do_sample"] = True
     for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
@@ -145,7 +183,34 @@ def _overrides(args, model) -> dict:
     return fields
 
 
-def load_model(args):
+def check_settings(args) -> None:
+    """The generation flags, checked before the model loads (GenerationConfig's own checks;
+    those that need the model follow in make_config)."""
+    from jaxgen.config.generation import GenerationConfig
+
+    try:
+        GenerationConfig(**_sampling_fields(args))
+    except ValueError as error:
+        raise flag_error(error) from None
+
+
+def _overrides(args, model) -> dict:
+    from jaxgen.cli.assisted import config_fields
+
+    if args.exit_layer is not None:
+        layers = int(getattr(model.config, "num_layers", 0) or 0)
+        if layers and not 1 <= args.exit_layer <= layers:
+            raise CliError(f"--exit-layer {args.exit_layer}: the model has {layers} layers "
+                           f"(allowed: 1..{layers})", EXIT_USAGE)
+    fields = _sampling_fields(args)
+    fields.update(config_fields(args.speculative, draft_tokens=args.draft_tokens,
+                                exit_layer=args.exit_layer, model=model))
+    return fields
+
+
+def load_model(args, unstack: bool = True):
+    """(model, params, tokenizer); params per layer when the run's layout is unstacked
+    (unstack=False leaves that to the caller: batch mode checks every prompt first)."""
     import jax.numpy as jnp
 
     from jaxgen import models
@@ -162,8 +227,8 @@ def load_model(args):
     if tokenizer is None:
         raise CliError(f"model {name!r} has no tokenizer.json: the command line needs text",
                        EXIT_MODEL)
-    if choose_layout(args) == "unstacked":
-        params = models.unstack_layers(model, params)
+    if unstack:
+        params = params_for_layout(model, params, args)
     args.load_s = time.perf_counter() - started
     return model, params, tokenizer
 
@@ -211,7 +276,7 @@ def make_config(model, args):
     try:
         return default_config(model, None, **_overrides(args, model))
     except ValueError as error:
-        raise CliError(str(error), EXIT_USAGE) from None
+        raise flag_error(error) from None
 
 
 def seed_key(seed: int):
@@ -231,6 +296,31 @@ def seed_key(seed: int):
     return jax.random.wrap_key_data(np.array([0, seed], np.uint32))  # [2]: threefry's seed
 
 
+def prompt_rules(model, args):
+    """How prompts must fit the model (jaxgen.cli.batch_prompts): its positions, the flags."""
+    from jaxgen.cli.batch_prompts import PromptRules
+    from jaxgen.core.context import model_positions
+
+    return PromptRules(use_template=False, no_template_flag=args.no_chat_template,
+                       vocab_size=int(model.vocab_size), max_positions=model_positions(model),
+                       max_new_tokens=int(args.max_new_tokens),
+                       truncation=None if args.truncation == "none" else args.truncation)
+
+
+def _fit_prompt(row: list[int], model, args) -> list[int]:
+    """The prompt's ids when they fit the model's positions with --max-new-tokens (the last
+    ones with --truncation left); a usage error naming the numbers otherwise."""
+    from jaxgen.cli.batch_prompts import fit_context
+
+    fitted, problem = fit_context(row, prompt_rules(model, args))
+    if problem:
+        if args.chat:  # the history is the prompt; /reset empties it
+            problem = problem.replace("the prompt (", "the conversation (", 1).replace(
+                "shorten the prompt", "/reset the history", 1)
+        raise CliError(problem, EXIT_USAGE)
+    return fitted
+
+
 def _rows(tokenizer, prompts, use_template: bool) -> list[list[int]]:
     from jaxgen.api.text import encode_prompts
 
@@ -248,6 +338,7 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
 
     use_template = not args.no_chat_template and tokenizer.chat_template is not None
     [row] = _rows(tokenizer, [messages_or_prompt], use_template)
+    row = _fit_prompt(row, model, args)
     pieces: list[str] = []
 
     class Printer(TextStreamer):
@@ -266,9 +357,12 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
         draft, draft_params, draft_tokenizer = assistant
         assisted = dict(assistant_model=(draft, draft_params), tokenizer=tokenizer,
                         assistant_tokenizer=draft_tokenizer)
+    window_start, window_compile = time.perf_counter(), clock.compile_s
     out = jaxgen.generate(params, state, cfg, streamer=Printer(tokenizer, skip_prompt=True,
                                                                skip_special_tokens=True),
                           timings=timings, layout=program_layout(args), **assisted)
+    window_s = time.perf_counter() - window_start
+    window_compile_s = clock.compile_s - window_compile
     try:
         check_logits_valid(out.stop_reason, 1)
     except InvalidLogitsError:
@@ -281,7 +375,7 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
     new_tokens = int(np.asarray(out.lengths)[0] - np.asarray(out.prompt_lengths)[0])
     if not args.quiet:
         compile_s = clock.compile_s - compiled_before
-        rate = new_tokens / max(timings.total_s - compile_s, 1e-9)
+        rate = tokens_per_second(new_tokens, window_s, window_compile_s)  # the same window
         accepted = ""
         if out.speculative is not None:
             accepted = f", {float(out.speculative.mean_accepted[0]):.2f} drafts accepted/round"
@@ -320,9 +414,9 @@ def run_chat(model, params, tokenizer, cfg, args, clock, assistant=None) -> int:
     return 0
 
 
-def run(args) -> int:
+def check_usage(args) -> None:
+    """Flag combinations and values refused before anything loads (exit 2)."""
     from jaxgen.cli.assisted import check_flags
-    from jaxgen.cli.compile_cache import CacheStats, enable_compile_cache
 
     try:
         check_flags(args.speculative, assistant=args.assistant, exit_layer=args.exit_layer)
@@ -330,13 +424,9 @@ def run(args) -> int:
         raise CliError(str(error), EXIT_USAGE) from None
     if args.draft_tokens is not None and not args.speculative:
         raise CliError("--draft-tokens needs --speculative", EXIT_USAGE)
-    if not args.input:
-        assistant_to_load(args)  # refused before anything loads
-    if not args.no_cache:
-        enable_compile_cache()
-    for flag in ("output", "resume", "overwrite"):
-        if getattr(args, flag) and not args.input:
-            raise CliError(f"--{flag} needs --input", EXIT_USAGE)
+    for flag in ("output", "resume", "overwrite", "max_record_bytes"):
+        if getattr(args, flag) not in (None, False) and not args.input:
+            raise CliError(f"--{flag.replace('_', '-')} needs --input", EXIT_USAGE)
     if args.chat and (args.input or args.prompt):
         raise CliError("--chat reads turns from stdin: drop the prompt / --input", EXIT_USAGE)
     if args.input:
@@ -347,10 +437,36 @@ def run(args) -> int:
         if args.prompt is not None:
             raise CliError("--input reads the prompts from the file: drop the prompt",
                            EXIT_USAGE)
-        return run_batch(args, load_model, make_config)
+    check_settings(args)
+    program_layout(args)  # a bad $JAXGEN_LAYER_LAYOUT
+    if not args.input:
+        assistant_to_load(args)
+
+
+def run(args, guard: SignalGuard | None = None) -> int:
+    from jaxgen.cli.batch_prompts import check_room
+    from jaxgen.cli.compile_cache import (
+        CacheStats,
+        enable_compile_cache,
+        prepare_kernels,
+    )
+
+    check_usage(args)
+    try:  # a bad $JAXGEN_CPU_KERNELS before anything loads; the kernels build meanwhile
+        prepare_kernels(no_cache=args.no_cache)
+    except ValueError as error:
+        raise CliError(str(error), EXIT_USAGE) from None
+    if not args.no_cache:
+        enable_compile_cache()
+    if args.input:
+        if args.max_record_bytes is None:
+            args.max_record_bytes = DEFAULT_MAX_RECORD_BYTES
+        return run_batch(args, load_model, make_config, guard)
     clock = CacheStats()
-    model, params, tokenizer = load_model(args)
+    model, params, tokenizer = load_model(args, unstack=False)
     cfg = make_config(model, args)
+    check_room(prompt_rules(model, args))
+    params = params_for_layout(model, params, args)  # compiles: after the checks
     assistant = load_assistant(args, model)
     if args.chat:
         return run_chat(model, params, tokenizer, cfg, args, clock, assistant)
@@ -368,17 +484,22 @@ def _one_line(text: str) -> str:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    guard = SignalGuard()
     try:
-        if argv is None and len(sys.argv) == 1 and sys.stdin.isatty():
-            build_parser().print_help()
-            return EXIT_USAGE
-        args = build_parser().parse_args(argv)
-        return run(args)
+        with guard:  # Ctrl-C / SIGTERM: exit 130 / 143 within seconds, one line
+            if argv is None and len(sys.argv) == 1 and sys.stdin.isatty():
+                build_parser().print_help()
+                return EXIT_USAGE
+            args = build_parser().parse_args(argv)
+            return run(args, guard)
+    except Interrupted as stop:
+        print(f"jaxgen: error: {stop}", file=sys.stderr)
+        return stop.code
     except CliError as error:
         print(f"jaxgen: error: {_one_line(error)}", file=sys.stderr)
         return error.code
     except KeyboardInterrupt:
-        print("jaxgen: interrupted", file=sys.stderr)
+        print("jaxgen: error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return 0

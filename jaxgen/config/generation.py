@@ -381,6 +381,12 @@ class GenerationConfig:
                   allowed="an int >= 1 (the token buffer: prompt + new tokens) or None")
         check_int("prefill_chunk_size", self.prefill_chunk_size, low=1, allow_none=True,
                   allowed="an int >= 1 (positions per prefill chunk) or None (no chunking)")
+        if (self.max_cache_len is not None and self.max_new_tokens is not None
+                and self.max_new_tokens >= self.max_cache_len):
+            raise ValueError(f"`max_new_tokens`={self.max_new_tokens} leaves no room for a prompt "
+                             f"in the token buffer of `max_cache_len`={self.max_cache_len} "
+                             f"(allowed: max_new_tokens <= {self.max_cache_len - 1}, or a larger "
+                             f"max_cache_len)")
         if self.max_time is not None and (
                 isinstance(self.max_time, (bool, np.bool_))
                 or not isinstance(self.max_time, (int, float, np.floating, np.integer))
@@ -505,7 +511,7 @@ class GenerationConfig:
                                  f"value (the batch of values to sweep) before mapping it")
         leaves, aux = _flatten(self)
         return _unflatten(aux, [axes.get(name) if value is not None else None
-                                for name, value in zip(DYNAMIC_FIELDS, leaves)])
+                                for name, value in zip(DYNAMIC_FIELDS, leaves)] + [None])
 
     @property
     def sample_copies(self) -> int:
@@ -525,11 +531,11 @@ class GenerationConfig:
             return self
         leaves, aux = _flatten(self)
         out = []
-        for value in leaves:
+        for value in leaves[:len(DYNAMIC_FIELDS)]:
             if value is not None and np.ndim(value) >= 1 and np.shape(value)[0] == batch:
                 value = jnp.repeat(jnp.asarray(value), times, axis=0)
             out.append(value)
-        return _unflatten(aux, out)
+        return _unflatten(aux, out + [leaves[-1]])
 
     def validate_for_batch(self, batch: int) -> None:
         """Checks the per-row dynamic values against the batch: each is one value (a scalar)
@@ -623,20 +629,44 @@ def _same(a, b) -> bool:
         return False
 
 
+# In the static part of a program config (jaxgen.config.program) in place of the EOS ids,
+# which are then the PyTree child after the dynamic fields.
+_DYNAMIC_EOS = "<dynamic: the EosTable leaf>"
+
+
 def _flatten(cfg: GenerationConfig):
-    leaves = tuple(getattr(cfg, name) for name in DYNAMIC_FIELDS)
-    static = tuple((k, getattr(cfg, k)) for k in STATIC_FIELDS)
+    """Children: the DYNAMIC_FIELDS values, then the EOS table of a program config (else
+    None); aux: every static field (the EOS ids as a marker when they are a table)."""
+    eos = cfg.eos_token_id
+    table = None if eos is None or isinstance(eos, tuple) else eos  # an EosTable
+    leaves = tuple(getattr(cfg, name) for name in DYNAMIC_FIELDS) + (table,)
+    static = tuple((k, _DYNAMIC_EOS if k == "eos_token_id" and table is not None
+                    else getattr(cfg, k)) for k in STATIC_FIELDS)
     return leaves, _StaticPart(static, cfg.active_dynamic())
 
 
 def _unflatten(aux: "_StaticPart", leaves) -> GenerationConfig:
     cfg = object.__new__(GenerationConfig)
+    leaves = tuple(leaves)
     for key, value in aux.static:
-        object.__setattr__(cfg, key, value)
+        object.__setattr__(cfg, key, leaves[-1] if value is _DYNAMIC_EOS else value)
     for key, value in zip(DYNAMIC_FIELDS, leaves):
         object.__setattr__(cfg, key, value)
     object.__setattr__(cfg, "_active", aux.active)
     return cfg
+
+
+def with_static(cfg: GenerationConfig, **fields) -> GenerationConfig:
+    """`cfg` with static fields replaced as they are, without validation (for the program
+    form, jaxgen.config.program; users call `cfg.replace`)."""
+    unknown = sorted(set(fields) - set(STATIC_FIELDS))
+    if unknown:
+        raise ValueError(f"with_static: {unknown} are not static fields")
+    leaves, aux = _flatten(cfg)
+    out = _unflatten(aux, leaves)
+    for key, value in fields.items():
+        object.__setattr__(out, key, value)
+    return out
 
 
 class _StaticPart:

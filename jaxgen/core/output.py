@@ -106,6 +106,42 @@ class GenerateOutput:
                    logits=record.logits, state=final, speculative=stats)
 
 
+def _first(array, count: int, axis: int):
+    """array's first `count` entries along `axis`: a static slice under a trace, else cut on
+    the host and put back with the array's sharding (no program compiles for a new count)."""
+    if array is None or array.shape[axis] <= count:
+        return array
+    index = (slice(None),) * axis + (slice(0, count),)
+    if isinstance(array, jax.core.Tracer):
+        return array[index]
+    host = np.ascontiguousarray(np.asarray(array)[index])
+    return jax.device_put(host, array.sharding)
+
+
+def trim_output(out: GenerateOutput, visible_len: int | None,
+                prompt_bucket: int) -> GenerateOutput:
+    """`out` with the token buffer cut to `visible_len` positions and the per-step records to
+    visible_len - prompt_bucket steps (at least one): what the call returns when the state's
+    buffer was padded to a bucket of new tokens (DecodeState.visible_len). `state` keeps the
+    padded buffer. None: `out` as it is.
+
+    >>> out = GenerateOutput(sequences=jnp.zeros((2, 80), jnp.int32), lengths=jnp.ones(2),
+    ...                      prompt_lengths=jnp.ones(2), stop_reason=jnp.ones(2),
+    ...                      token_logprobs=jnp.zeros((2, 64)))
+    >>> cut = trim_output(out, 20, 16)
+    >>> cut.sequences.shape, cut.token_logprobs.shape
+    ((2, 20), (2, 4))
+    """
+    if visible_len is None:
+        return out
+    steps = max(int(visible_len) - int(prompt_bucket), 1)
+    return dataclasses.replace(
+        out, sequences=_first(out.sequences, int(visible_len), 1),
+        token_logprobs=_first(out.token_logprobs, steps, 1),
+        scores=_first(out.scores, steps, 1), logits=_first(out.logits, steps, 1),
+        beam_indices=_first(out.beam_indices, steps, 1))
+
+
 def outputs_to_lists(out: GenerateOutput) -> list[list[int]]:
     """Row-wise prompt + generated ids with the padding removed.
 

@@ -21,8 +21,10 @@ Example:
     >>> model, _ = tiny_llama()
     >>> state = init_state(model, [[1, 2, 3], [4, 5]], GenerationConfig(max_new_tokens=4),
     ...                    jax.random.key(0))
-    >>> state.tokens.shape      # prompt bucket 16 + 4 new tokens
-    (2, 20)
+    >>> state.tokens.shape      # prompt bucket 16 + the bucket of 4 new tokens (64)
+    (2, 80)
+    >>> state.visible_len       # generate's outputs: prompt bucket + 4
+    20
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from jaxgen.cache.sharding import (
 from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.automaton import ConstraintCarry, TokenAutomaton, start_carry
+from jaxgen.core.context import TRUNCATIONS, check_context, model_positions, truncate_left
 from jaxgen.stopping.strings import StopStringTables
 
 MIN_PROMPT_BUCKET = 16
@@ -68,6 +71,19 @@ class DecodeState:
     stop_tables: Optional[StopStringTables] = None  # when cfg.stop_strings is set
     spec: Any = None  # assisted mode, final state: the loop's carry (speculative.loop.SpecCarry)
     constraint: Optional[ConstraintCarry] = None  # token automaton + each row's state [B]
+    # The buffer length the caller asked for (prompt bucket + largest budget) when the buffer
+    # is padded to a bucket of new tokens (see `new_token_bucket`); None: the buffer itself.
+    # generate trims its outputs to it and runs the program with None (one program a bucket).
+    visible_len: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
+    # A program's state (`program_state`): the pad id as a dynamic int32 [] (pad_token_id is
+    # then PAD_IN_ARRAY), so a new pad id (HF: the first EOS id of a model without one) reuses
+    # the program. Read `state.pad` inside a loop.
+    pad_array: Optional[jax.Array] = None
+
+    @property
+    def pad(self):
+        """The pad id for traced code: the static int, or a program state's int32 []."""
+        return self.pad_token_id if self.pad_array is None else self.pad_array
 
     @property
     def batch(self) -> int:
@@ -79,6 +95,55 @@ class DecodeState:
 
     def replace(self, **changes) -> "DecodeState":
         return dataclasses.replace(self, **changes)
+
+
+PAD_IN_ARRAY = -1  # a program state's static pad_token_id: the id is `pad_array`
+
+
+def program_state(state: DecodeState, tables=None) -> DecodeState:
+    """`state` as a compiled program takes it: no visible_len, the pad id a dynamic int32 []
+    (`DecodeState.pad`), and `tables` as its stop-string tables (the caller strips their
+    strings: jaxgen.stopping.strings.program_tables)."""
+    pad = state.pad_token_id
+    if state.pad_array is None:
+        traced = isinstance(state.tokens, jax.core.Tracer)
+        pad_array = jnp.int32(pad) if traced else jax.device_put(np.int32(pad))  # []
+        state = state.replace(pad_array=pad_array, pad_token_id=PAD_IN_ARRAY)
+    return state.replace(visible_len=None, stop_tables=tables)
+
+
+def check_state_shapes(state: DecodeState) -> None:
+    """ValueError unless the state's arrays have the ranks init_state gives them (tokens
+    [B, T], per-row arrays [B]). A state whose rows were mapped away by `jax.vmap` (in_axes=0
+    over one state) fails here with what to map instead, rather than deep inside a loop."""
+    tokens = state.tokens
+    rows = {"length": state.length, "prompt_len": state.prompt_len, "max_new": state.max_new,
+            "done": state.done, "stop_reason": state.stop_reason, "key": state.key}
+    shapes = [tuple(tokens.shape)] + [tuple(a.shape) for a in rows.values()]
+    if len(shapes[0]) == 2 and all(s == shapes[0][:1] for s in shapes[1:]):
+        return
+    mapped = len(shapes[0]) == 1 and isinstance(tokens, jax.core.Tracer)
+    raise ValueError(
+        f"the state's arrays do not have init_state's shapes (tokens [B, T] and per-row "
+        f"arrays [B]): tokens {shapes[0]}, "
+        + ", ".join(f"{name} {s}" for name, s in zip(rows, shapes[1:]))
+        + (". Under jax.vmap, a state's rows are already a batch: do not map over one "
+           "state's rows (in_axes=0 on the state). To run several states in one program, map "
+           "over a stack of states built alike (jax.tree.map(lambda *a: jnp.stack(a), s1, "
+           "s2, ...), in_axes=(None, 0, None)); to sweep config values, map the config with "
+           "GenerationConfig.vmap_axes(...)" if mapped else ""))
+
+
+def caller_state(final: DecodeState | None, given: DecodeState) -> DecodeState | None:
+    """A program's final state as the caller's: the static pad id, the stop strings and the
+    visible_len of the state they passed (`given`); the arrays are the program's."""
+    if final is None or final.pad_array is None:
+        return final
+    tables = final.stop_tables
+    if tables is not None and given.stop_tables is not None:
+        tables = dataclasses.replace(tables, strings=given.stop_tables.strings)
+    return final.replace(pad_token_id=given.pad_token_id, pad_array=None,
+                         visible_len=given.visible_len, stop_tables=tables)
 
 
 def prompt_bucket(length: int) -> int:
@@ -94,6 +159,22 @@ def prompt_bucket(length: int) -> int:
         return MIN_PROMPT_BUCKET
     step = next_pow2(length) // 8  # a quarter of the octave [2^(k-1), 2^k) that holds length
     return -(-length // step) * step
+
+
+# New-token slots of the token buffer: budgets up to this share one bucket (see
+# `new_token_bucket`).
+MIN_NEW_TOKEN_BUCKET = 64
+
+
+def new_token_bucket(budget: int) -> int:
+    """The new-token slots of the buffer for the largest budget `budget`: 64 up to 64, then
+    the prompt buckets' steps (80, 96, 112, 128, 160, ...; at most 25% more). Budgets of one
+    bucket share a compiled program; generate trims its outputs to the real budget.
+
+    >>> [new_token_bucket(n) for n in (1, 64, 65, 100, 300)]
+    [64, 64, 80, 112, 320]
+    """
+    return max(MIN_NEW_TOKEN_BUCKET, prompt_bucket(budget))
 
 
 def _prompt_rows(prompts, lengths) -> list[list[int]]:
@@ -374,8 +455,8 @@ def shard_state(state: DecodeState, mesh) -> DecodeState:
 def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                lengths=None, max_new_tokens=None, cache_dtype=jnp.float32,
                buffer_len: int | None = None, tokenizer=None, mesh=None,
-               process_local: bool = False, constraint: TokenAutomaton | None = None
-               ) -> DecodeState:
+               process_local: bool = False, constraint: TokenAutomaton | None = None,
+               truncation: str | None = None) -> DecodeState:
     """Builds the initial decoding state for a batch of prompts.
 
     prompts: a list of token-id lists (ragged), or a padded [B, S] array with `lengths`.
@@ -383,7 +464,16 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     adjacent rows, as HF does; per-prompt keys [B] then give copy r fold_in(key[b], r).
     max_new_tokens: optional per-row budgets [B] (each <= the config's budget).
     buffer_len: optional static buffer length T (default: cfg.max_cache_len, else prompt
-    bucket + budget).
+    bucket + `new_token_bucket(largest budget)`: budgets of one bucket share a compiled
+    program; `visible_len` = prompt bucket + largest budget is what generate's outputs are
+    trimmed to. With a mesh: prompt bucket + largest budget).
+    Every prompt plus its budget must fit the model's `max_position_embeddings` (models with
+    dynamic NTK RoPE scaling extrapolate and are not limited; see
+    jaxgen.core.context.model_positions) and a fixed buffer_len / max_cache_len:
+    ContextTooLong (a ValueError) names the prompt, before anything is allocated.
+    truncation: None (the default: too long is an error) or "left": a prompt that does not fit
+    keeps its last tokens (as transformers' pipelines truncate), so that it fits with its
+    max_new_tokens budget (budgets from max_length are not truncated).
     cache_dtype: a floating dtype (float32, bfloat16, float16); the int8 / 4-bit cache is
     `cache_implementation="quantized"`.
     tokenizer: needed when cfg.stop_strings is set (its vocabulary builds the stop tables).
@@ -419,41 +509,30 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     rows = [row for row in rows for _ in range(copies)]
     batch = len(rows)
     buffer_len = _buffer_len_option(cfg, buffer_len)
+    check_truncation(truncation)
+    budgets = _row_budgets(cfg, [len(r) for r in rows], max_new_tokens)
+    rows = _fit_context(model, rows, budgets, copies, truncation, buffer_len,
+                        by_max_length=cfg.max_new_tokens is None and max_new_tokens is None)
     stop_tables = None
     if cfg.stop_strings is not None:
         from jaxgen.stopping.strings import build_stop_tables
         stop_tables = build_stop_tables(tokenizer, cfg.stop_strings, vocab_size)
     prompt_lens = np.array([len(r) for r in rows], np.int32)  # [B]
     longest = int(prompt_lens.max())
-    if cfg.max_new_tokens is not None:
-        budgets = np.full((batch,), int(cfg.max_new_tokens), np.int32)  # [B]
-    else:
-        budgets = (int(cfg.max_length) - prompt_lens).astype(np.int32)  # [B]
-        if (budgets < 1).any():
-            b = int(np.argmin(budgets))
-            raise ValueError(f"prompt {b} has {prompt_lens[b]} tokens but max_length is "
-                             f"{cfg.max_length}: the prompt is longer than the buffer; raise "
-                             f"max_length or set max_new_tokens")
-    if max_new_tokens is not None:
-        check_int("max_new_tokens", max_new_tokens, per_row=True)
-        values = np.asarray(max_new_tokens)
-        if values.ndim > 1 or (values.ndim == 1 and values.shape[0] != batch):
-            raise ValueError(f"per-row max_new_tokens must be one int or {batch} ints (one per "
-                             f"row), got {max_new_tokens!r}")
-        per_row = np.broadcast_to(values.astype(np.int64), (batch,))
-        if (per_row < 1).any() or (per_row > budgets).any():
-            raise ValueError(f"per-row max_new_tokens must lie in 1..{budgets.max()}, got {per_row.tolist()}")
-        budgets = per_row.astype(np.int32)
     most = int(budgets.max())
     if process_local:  # every process must build the same program: agree on the shapes
         longest, most = _agree_across_processes(batch, longest, most)
     bucket = prompt_bucket(longest)
-    needed = bucket + most
-    if buffer_len is None:
-        buffer_len = needed
-    elif int((prompt_lens + budgets).max()) > buffer_len or bucket > buffer_len:
-        raise ValueError(f"buffer_len / max_cache_len: prompt + max_new_tokens ({int((prompt_lens + budgets).max())}, prompt "
-                         f"bucket {bucket}) does not fit the buffer of {buffer_len} tokens")
+    visible_len = None
+    if buffer_len is None and mesh is None:  # one program per bucket of budgets
+        visible_len = bucket + most
+        buffer_len = bucket + new_token_bucket(most)
+    elif buffer_len is None:
+        buffer_len = bucket + most
+    elif bucket > buffer_len:
+        raise ValueError(f"buffer_len / max_cache_len: prompt + max_new_tokens "
+                         f"({int((prompt_lens + budgets).max())}, prompt bucket {bucket}) does "
+                         f"not fit the buffer of {buffer_len} tokens")
     pad_id = resolve_pad_id(cfg, model)
     tokens = np.full((batch, buffer_len), pad_id, np.int32)  # [B, T]
     for b, row in enumerate(rows):
@@ -481,7 +560,64 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         pad_token_id=pad_id,
         stop_tables=stop_tables,
         constraint=None if constraint is None else start_carry(constraint, batch),
+        visible_len=visible_len,
     )
+
+
+def _row_budgets(cfg: GenerationConfig, prompt_lens: list[int], max_new_tokens) -> np.ndarray:
+    """int32 [B]: each row's budget of new tokens: cfg.max_new_tokens, else max_length minus
+    the prompt, then init_state's per-row `max_new_tokens` (each within the former)."""
+    batch = len(prompt_lens)
+    lens = np.asarray(prompt_lens, np.int64)  # [B]
+    if cfg.max_new_tokens is not None:
+        budgets = np.full((batch,), int(cfg.max_new_tokens), np.int32)  # [B]
+    else:
+        budgets = (int(cfg.max_length) - lens).astype(np.int32)  # [B]
+        if (budgets < 1).any():
+            b = int(np.argmin(budgets))
+            raise ValueError(f"prompt {b} has {lens[b]} tokens but max_length is "
+                             f"{cfg.max_length}: the prompt is longer than the buffer; raise "
+                             f"max_length or set max_new_tokens")
+    if max_new_tokens is not None:
+        check_int("max_new_tokens", max_new_tokens, per_row=True)
+        values = np.asarray(max_new_tokens)
+        if values.ndim > 1 or (values.ndim == 1 and values.shape[0] != batch):
+            raise ValueError(f"per-row max_new_tokens must be one int or {batch} ints (one per "
+                             f"row), got {max_new_tokens!r}")
+        per_row = np.broadcast_to(values.astype(np.int64), (batch,))
+        if (per_row < 1).any() or (per_row > budgets).any():
+            raise ValueError(f"per-row max_new_tokens must lie in 1..{budgets.max()}, got "
+                             f"{per_row.tolist()}")
+        budgets = per_row.astype(np.int32)
+    return budgets
+
+
+def check_truncation(truncation) -> None:
+    """ValueError unless `truncation` is None or "left" (jaxgen.core.context.TRUNCATIONS)."""
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"`truncation` must be one of {list(TRUNCATIONS)}, got "
+                         f"{truncation!r}")
+
+
+def _fit_context(model, rows: list[list[int]], budgets: np.ndarray, copies: int, truncation,
+                 buffer_len: int | None, *, by_max_length: bool) -> list[list[int]]:
+    """The rows checked against the model's positions and a fixed buffer (ContextTooLong
+    naming the prompt), after truncation="left" kept each prompt's end where it is too long.
+    Budgets from max_length (prompt + budget = max_length) are not truncated: a shorter
+    prompt only gets a larger budget."""
+    positions = model_positions(model)
+    if truncation == "left" and not by_max_length:
+        limits = [n for n in (positions, buffer_len) if n is not None]
+        if limits:
+            rows = [truncate_left(row, min(limits), int(budget))
+                    for row, budget in zip(rows, budgets)]
+    per_prompt = lambda values: np.asarray(values).reshape(-1, copies).max(axis=1)  # noqa: E731
+    lengths = per_prompt([len(r) for r in rows])  # [P]
+    check_context(positions, lengths, per_prompt(budgets), where=lambda p: f"prompt {p}")
+    if buffer_len is not None:
+        check_context(buffer_len, lengths, per_prompt(budgets), where=lambda p: f"prompt {p}",
+                      limit_name="buffer (buffer_len / max_cache_len)")
+    return rows
 
 
 def check_constraint(constraint, vocab_size: int) -> None:

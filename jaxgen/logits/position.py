@@ -23,7 +23,11 @@ from jaxgen.logits.warpers import per_row
 
 
 def _column_mask(vocab: int, ids) -> jax.Array:
-    """bool [V]: True at the given (static) ids; ids >= vocab are ignored."""
+    """bool [V]: True at the given ids (static ints, or a program config's dynamic EOS table,
+    jaxgen.config.program.EosTable); ids >= vocab are ignored."""
+    table = getattr(ids, "ids", None)
+    if table is not None:  # dynamic ids int32 [E]
+        return jnp.zeros((vocab,), bool).at[table].set(True, mode="drop")  # [V]
     mask = np.zeros((vocab,), bool)
     ids = [i for i in ids if 0 <= i < vocab]
     mask[ids] = True

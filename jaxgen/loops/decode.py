@@ -11,8 +11,8 @@ Example:
     >>> cfg = jaxgen.GenerationConfig(max_new_tokens=3)
     >>> state = jaxgen.init_state(model, [[1, 2, 3]], cfg)
     >>> final, record = DecodeLoop().run_loop(params, state, cfg)
-    >>> int(final.length[0]), record.token_logprobs.shape
-    (6, (1, 3))
+    >>> int(final.length[0]), record.token_logprobs.shape   # slots: the bucket of 3 new tokens
+    (6, (1, 64))
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def choose_and_write(cfg: GenerationConfig, state: DecodeState, raw_logits: jax.
     allowed = constrain(state.constraint, start, cfg.eos_ids)  # [B, V]
     scores, chosen = choose(cfg, allowed, state_context(state), state.key, ext)  # [B, V], [B]
     live = ~state.done  # [B]
-    chosen = jnp.where(live, chosen, state.pad_token_id)  # [B]
+    chosen = jnp.where(live, chosen, state.pad)  # [B]
     tokens = write_if_live(state.tokens, state.length, chosen, live)  # [B, T]
     length = state.length + live.astype(jnp.int32)  # [B]
     flags = stop_flags(cfg, tokens=tokens, new_length=length, token=chosen,

@@ -168,9 +168,10 @@ def guidance_buffer_len(state, cfg: GenerationConfig, negative_prompt_ids,
         return None
     rows = negative_rows(negative_prompt_ids, negative_prompt_attention_mask)
     longest = max(len(r) for r in rows)
-    budget = state.buffer_len - state.prompt_bucket
+    visible = state.visible_len or state.buffer_len  # the budget asked for, not its bucket
+    budget = visible - state.prompt_bucket
     needed = max(prompt_bucket(longest), longest + budget, state.prompt_bucket + budget)
-    return needed if needed > state.buffer_len else None
+    return needed if needed > visible else None
 
 
 # ------------------------------------------------------------------------- helpers

@@ -22,6 +22,7 @@ Example (illustration: loading the embedded SmolLM2 file takes several seconds):
 from __future__ import annotations
 
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +32,20 @@ from jaxgen.models.checkpoint_checks import (
     reject_unexpected,
     require_finite,
 )
+from jaxgen.models.config_checks import (
+    FLOAT_LIMITS,
+    INT_LIMITS,
+    check_float,
+    check_int,
+    check_layer_count,
+    check_llama_numbers,
+    check_tensor_shapes,
+    shape_origin,
+)
 from jaxgen.models.llama import Llama, LlamaConfig, checked_params, param_shapes
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 
 _LAYER_NAMES = {  # params name -> (GGUF name under blk.{i}., is a [out, in] matrix)
     "attn_norm": ("attn_norm.weight", False),
@@ -74,51 +86,116 @@ def _clean_float(value: float) -> float:
     return float(f"{float(value):.7g}")
 
 
+# LlamaConfig field -> GGUF metadata key under the architecture (the names errors show)
+GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length",
+             "intermediate_size": "feed_forward_length", "num_layers": "block_count",
+             "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+             "head_dim": "rope.dimension_count",
+             "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+             "max_position_embeddings": "context_length"}
+
+
+def gguf_names(arch: str = "llama") -> dict[str, str]:
+    """LlamaConfig field -> the full GGUF metadata key ("llama.block_count", ...)."""
+    return {field: f"{arch}.{key}" for field, key in GGUF_KEYS.items()}
+
+
 def gguf_config(reader, path: str = "<gguf>") -> LlamaConfig:
-    """LlamaConfig from llama.* metadata (+ tokenizer ids)."""
+    """LlamaConfig from llama.* metadata (+ tokenizer ids). Every number is checked against
+    its range (config_checks.py) before it is used: ValueError naming the metadata key."""
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    names = gguf_names(arch)
 
-    def meta(name, default=None):
-        value = field(reader, f"{arch}.{name}", default)
+    def number(name, default=None, required=True):
+        key = names[name]
+        value = field(reader, key, default)
         if value is None:
-            raise ValueError(f"{path}: missing metadata {arch}.{name}")
-        return value
+            if not required:
+                return None
+            raise ValueError(f"{path}: missing metadata {key}")
+        if name in FLOAT_LIMITS:
+            return _clean_float(check_float(key, value, *FLOAT_LIMITS[name], path))
+        return check_int(key, value, *INT_LIMITS[name], path)
 
-    hidden = int(meta("embedding_length"))
-    heads = int(meta("attention.head_count"))
+    hidden, heads = number("hidden_size"), number("num_heads")
     tokens = field(reader, "tokenizer.ggml.tokens") or ()
-    vocab = int(field(reader, f"{arch}.vocab_size", len(tokens)) or 0)
+    vocab = number("vocab_size", len(tokens) or None)
+    head_dim = number("head_dim", required=False)
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{path}: {names['hidden_size']}={hidden} is not a multiple of "
+                             f"{names['num_heads']}={heads} and there is no "
+                             f"{names['head_dim']}; allowed: a multiple, or the key")
+        head_dim = hidden // heads
     scaling = None
     scaling_type = field(reader, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
             raise ValueError(f"{path}: unsupported rope scaling {scaling_type!r} (only linear)")
-        scaling = (("factor", _clean_float(meta("rope.scaling.factor"))), ("rope_type", "linear"))
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
+        factor = field(reader, f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise ValueError(f"{path}: missing metadata {arch}.rope.scaling.factor")
+        factor = check_float(f"{arch}.rope.scaling.factor", factor, 1.0,
+                             FLOAT_LIMITS["rope_theta"][1], path, low_included=True)
+        scaling = (("factor", _clean_float(factor)), ("rope_type", "linear"))
+    names_held = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names_held:
         raise ValueError(f"{path}: per-dimension rope_freqs (llama3 rope scaling) not supported")
     eos = field(reader, "tokenizer.ggml.eos_token_id")
-    return LlamaConfig(
+    values = dict(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
+        intermediate_size=number("intermediate_size"),
+        num_layers=number("num_layers"),
         num_heads=heads,
-        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=_clean_float(meta("attention.layer_norm_rms_epsilon")),
-        rope_theta=_clean_float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(meta("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
+        num_kv_heads=number("num_kv_heads", heads),
+        head_dim=head_dim,
+        rms_norm_eps=number("rms_norm_eps"),
+        rope_theta=number("rope_theta", 10000.0),
+        max_position_embeddings=number("max_position_embeddings", 2048),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=() if eos is None else (int(eos),),
+        eos_token_id=() if eos is None else (eos,),
         pad_token_id=field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    check_llama_numbers(values, {**names, "bos_token_id": "tokenizer.ggml.bos_token_id",
+                                 "eos_token_id": "tokenizer.ggml.eos_token_id",
+                                 "pad_token_id": "tokenizer.ggml.padding_token_id"}, path)
+    return LlamaConfig(
+        **values,
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in names_held,
         architecture="LlamaForCausalLM",
     )
+
+
+def check_against_tensors(config: LlamaConfig, tensors: dict, path: str = "<gguf>",
+                          arch: str = "llama") -> None:
+    """The config against the file's tensors before any is dequantized: the blocks it needs
+    are there (blk.{i}. for i < block_count), and every tensor the config names has the shape
+    the config implies. ValueError naming the metadata key."""
+    names = gguf_names(arch)
+    indices = {int(m.group(1)) for m in map(_BLOCK_INDEX.match, tensors) if m}
+    check_layer_count(indices, names["num_layers"], config.num_layers, "blk.{i}.", path)
+    shapes = param_shapes(config)
+    expected, origin = {}, {}
+
+    def expect(tensor: str, key: str, shape: tuple, is_matrix: bool) -> None:
+        expected[tensor] = tuple(reversed(shape)) if is_matrix else tuple(shape)
+        origin[tensor] = shape_origin(key, config, names)
+
+    expect("token_embd.weight", "embed", shapes["embed"], False)
+    expect("output_norm.weight", "final_norm", shapes["final_norm"], False)
+    expect("output.weight", "lm_head", shapes["embed"], False)  # [V, D] in numpy order
+    for key, shape in shapes["layers"].items():
+        suffix, is_matrix = _LAYER_NAMES[key]
+        for i in range(config.num_layers):
+            expect(f"blk.{i}.{suffix}", key, shape[1:], is_matrix)
+    stored = {name: tuple(int(d) for d in reversed(tensors[name].shape))
+              for name in expected if name in tensors}
+    check_tensor_shapes(expected, stored, origin, path)
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -155,6 +232,7 @@ def gguf_model(reader, path: str = "<gguf>", dtype=jnp.float32, *,
     """
     config = gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
+    check_against_tensors(config, tensors, path)
     missing = []
     used = set()
 

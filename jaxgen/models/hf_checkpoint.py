@@ -34,7 +34,18 @@ from jaxgen.models.checkpoint_checks import (
     reject_unexpected,
     require_finite,
 )
-from jaxgen.models.llama import Llama, LlamaConfig, checked_params, param_shapes
+from jaxgen.models.config_checks import (
+    check_layer_count,
+    check_tensor_shapes,
+    shape_origin,
+)
+from jaxgen.models.llama import (
+    HF_NAMES,
+    Llama,
+    LlamaConfig,
+    checked_params,
+    param_shapes,
+)
 from jaxgen.models.mtp_checkpoint import read_mtp_tensors
 from jaxgen.models.mtp_layout import mtp_shapes
 from jaxgen.models.safetensors_io import TensorFiles, open_safetensors
@@ -43,6 +54,7 @@ from jaxgen.models.tokenizer import Tokenizer
 # Tensors HF checkpoints may carry that are not weights: the RoPE tables older Llama code
 # saved per layer (recomputed from the config here). Skipped without error.
 IGNORED_HF_TENSORS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 _LAYER_NAMES = {  # params name -> (HF suffix under model.layers.{i}., transpose)
     "attn_norm": ("input_layernorm.weight", False),
@@ -79,9 +91,13 @@ def load_hf_config(folder: str) -> LlamaConfig:
     """LlamaConfig from `config.json` (+ `generation_config.json` when present)."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
-    config = _read_json(os.path.join(folder, "config.json"))
+    path = os.path.join(folder, "config.json")
+    config = _read_json(path)
     generation = _read_json(os.path.join(folder, "generation_config.json"), required=False)
-    return LlamaConfig.from_hf_dict(config, generation)
+    if generation is not None and not isinstance(generation, dict):
+        raise ValueError(f"{folder}/generation_config.json holds a {type(generation).__name__}"
+                         f", expected an object")
+    return LlamaConfig.from_hf_dict(config, generation, where=path)
 
 
 def read_hf_tensors(folder: str) -> Mapping[str, np.ndarray]:
@@ -111,6 +127,39 @@ def read_hf_tensors(folder: str) -> Mapping[str, np.ndarray]:
     raise FileNotFoundError(f"missing file: {single} (nor a sharded {index_path})")
 
 
+def _stored_shape(tensors: Mapping[str, np.ndarray], name: str) -> tuple[int, ...]:
+    """A tensor's shape from the file header when the mapping can tell (no data read)."""
+    shape = getattr(tensors, "shape", None)
+    return tuple(shape(name)) if callable(shape) else tuple(np.shape(tensors[name]))
+
+
+def check_against_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray],
+                          where: str = "") -> None:
+    """The config against the checkpoint before a weight is read: the layers it needs
+    (num_hidden_layers + num_mtp_layers) are there, and every tensor the config names has
+    the shape the config implies (headers only). ValueError naming the config.json field."""
+    indices = {int(m.group(1)) for m in map(_LAYER_INDEX.match, tensors) if m}
+    needed = config.num_layers + config.num_mtp_layers
+    name = "num_hidden_layers" + (" + num_mtp_layers" if config.num_mtp_layers else "")
+    check_layer_count(indices, name, needed, "model.layers.{i}.", where)
+    shapes = param_shapes(config)
+    expected, origin = {}, {}
+
+    def expect(tensor: str, key: str, shape: tuple, transpose: bool) -> None:
+        expected[tensor] = tuple(reversed(shape)) if transpose else tuple(shape)
+        origin[tensor] = shape_origin(key, config, HF_NAMES)
+
+    expect("model.embed_tokens.weight", "embed", shapes["embed"], False)
+    expect("model.norm.weight", "final_norm", shapes["final_norm"], False)
+    expect("lm_head.weight", "lm_head", shapes["embed"], False)  # [V, D] as stored
+    for key, shape in shapes["layers"].items():
+        suffix, transpose = _LAYER_NAMES[key]
+        for i in range(config.num_layers):
+            expect(f"model.layers.{i}.{suffix}", key, shape[1:], transpose)
+    stored = {n: _stored_shape(tensors, n) for n in expected if n in tensors}
+    check_tensor_shapes(expected, stored, origin, where)
+
+
 def hf_to_params(config: LlamaConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32, *,
                  allowed_extra: tuple[str, ...] = (), where: str = "") -> dict:
     """HF state dict (name -> numpy array) -> params tree.
@@ -121,6 +170,7 @@ def hf_to_params(config: LlamaConfig, tensors: Mapping[str, np.ndarray], dtype=j
     with one of `allowed_extra` (the hook for tensors another option consumes; default none).
     where: a prefix for error messages (the folder).
     """
+    check_against_tensors(config, tensors, where)
     expected = param_shapes(config)
     if config.num_mtp_layers:  # the checkpoint's MTP layers (jaxgen/models/mtp_checkpoint.py)
         expected["mtp"] = mtp_shapes(config, expected["layers"])

@@ -44,6 +44,13 @@ import numpy as np
 from jaxgen.cache import CACHE_KINDS, Cache, make_cache
 from jaxgen.cache.layer_forms import holds_layer_tuples
 from jaxgen.models import rope as rope_lib
+from jaxgen.models.config_checks import (
+    FLOAT_LIMITS,
+    INT_LIMITS,
+    check_float,
+    check_int,
+    check_llama_numbers,
+)
 from jaxgen.models.exit_adapter import apply_exit_adapter, exit_adapter_shapes
 from jaxgen.models.mtp import MtpLayers
 from jaxgen.models.mtp_layout import mtp_shapes
@@ -105,11 +112,12 @@ class LlamaConfig:
     num_mtp_layers: int = 0
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
+        check_llama_numbers({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if self.rope_scaling is not None:
             rope_lib.validate(dict(self.rope_scaling))
+            if dict(self.rope_scaling).get("rope_type") == "dynamic" and self.head_dim <= 2:
+                raise ValueError(f"head_dim={self.head_dim} with rope_type 'dynamic'; allowed: "
+                                 f"head_dim > 2 (NTK scaling divides by head_dim - 2)")
         layers = tuple(self.exit_adapter_layers)
         if not all(isinstance(e, int) and not isinstance(e, bool) and 1 <= e < self.num_layers
                    for e in layers):
@@ -126,29 +134,57 @@ class LlamaConfig:
         return dict(self.generation_defaults)
 
     @classmethod
-    def from_hf_dict(cls, config: dict, generation_config: dict | None = None) -> "LlamaConfig":
+    def from_hf_dict(cls, config: dict, generation_config: dict | None = None,
+                     where: str = "") -> "LlamaConfig":
         """Builds a config from a parsed HF `config.json` (and optional generation_config.json).
 
         Accepts both the transformers<5 keys (`rope_theta`, `rope_scaling`) and the
-        transformers>=5 `rope_parameters` dict. Raises ValueError for other architectures.
+        transformers>=5 `rope_parameters` dict. Raises ValueError for other architectures,
+        and, naming the config.json key and its allowed values, for a missing or malformed
+        number (every number is checked before it is used: config_checks.py). where: a
+        prefix for the messages (the file's path).
         """
+        prefix = f"{where}: " if where else ""
+        if not isinstance(config, dict):
+            raise ValueError(f"{prefix}config.json holds a {type(config).__name__}, expected "
+                             f"an object")
         archs = config.get("architectures") or []
+        if not isinstance(archs, list):
+            raise ValueError(f"{prefix}architectures={archs!r}; allowed: a list of names")
         arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(config.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {arch!r} (model_type={config.get('model_type')!r}); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{prefix}unsupported architecture {arch!r} (model_type="
+                f"{config.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if config.get("mlp_bias"):
-            raise ValueError(f"{arch}: mlp_bias=True is not supported")
-        hidden = config["hidden_size"]
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or hidden // heads
-        rope_params = dict(config.get("rope_parameters") or {})
+            raise ValueError(f"{prefix}{arch}: mlp_bias=True is not supported")
+        for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
+            if not isinstance(config.get(key, False), bool):
+                raise ValueError(f"{prefix}{key}={config[key]!r}; allowed: true or false")
+        numbers = _hf_numbers(config, where)
+        hidden, heads = numbers["hidden_size"], numbers["num_heads"]
+        if numbers.get("head_dim") is None:  # HF's default: hidden_size / heads
+            if hidden % heads:
+                raise ValueError(f"{prefix}hidden_size={hidden} is not a multiple of "
+                                 f"num_attention_heads={heads} and there is no head_dim; "
+                                 f"allowed: a multiple, or an explicit head_dim")
+            numbers["head_dim"] = hidden // heads
+        numbers.setdefault("num_kv_heads", heads)
+        rope_params = config.get("rope_parameters") or {}
         legacy_scaling = config.get("rope_scaling")
+        for key, value in (("rope_parameters", rope_params), ("rope_scaling", legacy_scaling)):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{prefix}{key}={value!r}; allowed: an object or null")
+        rope_params = dict(rope_params)
         if legacy_scaling:
             rope_params.update(legacy_scaling)
         rope_theta = rope_params.pop("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = rope_lib.normalize(rope_params)
+        numbers["rope_theta"] = check_float("rope_theta", rope_theta,
+                                            *FLOAT_LIMITS["rope_theta"], where)
+        try:
+            scaling = rope_lib.normalize(rope_params)
+        except ValueError as error:
+            raise ValueError(f"{prefix}{error}") from None
         biased = bool(config.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         gen = dict(generation_config or {})
@@ -157,32 +193,56 @@ class LlamaConfig:
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
         bos = gen.get("bos_token_id", config.get("bos_token_id"))
         pad = gen.get("pad_token_id", config.get("pad_token_id"))
-        window = _uniform_window(arch, config)
+        window = _uniform_window(arch, config, numbers["num_layers"], where)
+        ids = dict(bos_token_id=bos, eos_token_id=_as_id_tuple(eos), pad_token_id=pad)
+        check_llama_numbers({**numbers, "sliding_window": window, **ids}, HF_NAMES, where)
         return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            **numbers,
             rope_scaling=scaling,
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=True if is_qwen2 else biased,
             attention_out_bias=False if is_qwen2 else biased,
             qk_norm=arch == "Qwen3ForCausalLM",
-            bos_token_id=bos,
-            eos_token_id=_as_id_tuple(eos),
-            pad_token_id=pad,
+            **ids,
             generation_defaults=freeze(gen),
             architecture=arch,
             sliding_window=window,
-            num_mtp_layers=int(config.get("num_mtp_layers")
-                               or config.get("num_nextn_predict_layers") or 0),
         )
+
+
+# LlamaConfig field -> config.json key (the names the checks' messages show)
+HF_NAMES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+            "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
+            "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+            "max_position_embeddings": "max_position_embeddings",
+            "sliding_window": "sliding_window", "num_mtp_layers": "num_mtp_layers"}
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
+
+
+def _hf_numbers(config: dict, where: str) -> dict:
+    """The config.json numbers, each checked against its range (missing required ones, a
+    wrong type or an out-of-range value: ValueError naming the key and what is allowed)."""
+    prefix = f"{where}: " if where else ""
+    numbers = {}
+    for field in (*_HF_REQUIRED, "num_kv_heads", "head_dim", "max_position_embeddings"):
+        key = HF_NAMES[field]
+        value = config.get(key)
+        if value is None:
+            if field in _HF_REQUIRED:
+                low, high = INT_LIMITS[field]
+                raise ValueError(f"{prefix}config.json has no {key!r}; allowed: an int in "
+                                 f"[{low}, {high}]")
+            continue
+        numbers[field] = check_int(key, value, *INT_LIMITS[field], where)
+    numbers.setdefault("max_position_embeddings", 2048)
+    numbers["rms_norm_eps"] = check_float("rms_norm_eps", config.get("rms_norm_eps", 1e-6),
+                                          *FLOAT_LIMITS["rms_norm_eps"], where)
+    mtp_key = "num_mtp_layers" if config.get("num_mtp_layers") is not None \
+        else "num_nextn_predict_layers"
+    numbers["num_mtp_layers"] = check_int(mtp_key, config.get(mtp_key) or 0,
+                                          *INT_LIMITS["num_mtp_layers"], where)
+    return numbers
 
 
 _ARCH_BY_MODEL_TYPE = {
@@ -193,34 +253,41 @@ _ARCH_BY_MODEL_TYPE = {
 }
 
 
-def _uniform_window(arch: str, config: dict) -> int | None:
+def _uniform_window(arch: str, config: dict, layers: int, where: str = "") -> int | None:
     """The sliding window every layer uses (None: full attention everywhere).
 
     Qwen2/Qwen3 slide only with use_sliding_window, and only layers >= max_window_layers (or
     those HF's `layer_types` marks); a mix of sliding and full layers is not supported.
+    layers: num_hidden_layers, already checked.
     """
+    prefix = f"{where}: " if where else ""
     window = config.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not config.get("use_sliding_window", False) or window is None:
             return None
-        layers = config["num_hidden_layers"]
+        first = check_int("max_window_layers", config.get("max_window_layers", layers), 0,
+                          INT_LIMITS["num_layers"][1], where)
         types = config.get("layer_types") or [
-            "sliding_attention" if i >= config.get("max_window_layers", layers)
-            else "full_attention" for i in range(layers)]
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        if not isinstance(types, list) or len(types) != layers:
+            raise ValueError(f"{prefix}layer_types must list num_hidden_layers={layers} "
+                             f"attention types")
         if all(t == "full_attention" for t in types):
             return None
         if not all(t == "sliding_attention" for t in types):
-            raise ValueError(f"{arch}: sliding windows on some layers only (max_window_layers="
-                             f"{config.get('max_window_layers')}) are not supported")
+            raise ValueError(f"{prefix}{arch}: sliding windows on some layers only "
+                             f"(max_window_layers={config.get('max_window_layers')}) are not "
+                             f"supported")
     return window
 
 
-def _as_id_tuple(value) -> tuple[int, ...]:
+def _as_id_tuple(value) -> tuple:
+    """None -> (), an id -> (id,), a list -> a tuple (the ids are checked by the config)."""
     if value is None:
         return ()
     if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+        return tuple(value)
+    return (value,)
 
 
 def _rotate_half(x: jax.Array) -> jax.Array:

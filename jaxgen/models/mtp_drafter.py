@@ -74,6 +74,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.models import rope as rope_lib
+from jaxgen.models.config_checks import FLOAT_LIMITS, INT_LIMITS, check_float
 from jaxgen.models.llama import apply_rope, rms_norm
 from jaxgen.models.quantize import dense
 
@@ -122,8 +123,12 @@ class MtpDrafterConfig:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                      *TARGET_FIELDS):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MTP drafter config: {name}={value!r} must be an int >= 1")
+            limit = INT_LIMITS[TARGET_FIELDS[name][0] if name in TARGET_FIELDS else name][1]
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+                raise ValueError(f"MTP drafter config: {name}={value!r} is out of range; "
+                                 f"allowed: an int in [1, {limit}]")
+        object.__setattr__(self, "rms_norm_eps", check_float(
+            "MTP drafter config: rms_norm_eps", self.rms_norm_eps, *FLOAT_LIMITS["rms_norm_eps"]))
         if self.num_heads % self.target_num_kv_heads:
             raise ValueError(f"MTP drafter config: num_heads={self.num_heads} must be a multiple "
                              f"of target_num_kv_heads={self.target_num_kv_heads} (its queries "

@@ -84,6 +84,8 @@ def mtp_config_dict(config: MtpDrafterConfig) -> dict:
 
 def config_from_dict(data: dict, where: str = "config.json") -> MtpDrafterConfig:
     """MtpDrafterConfig from config.json's content; ValueError naming a missing field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: holds a {type(data).__name__}, expected an object")
     if data.get("model_type") != MODEL_TYPE:
         raise ValueError(f"{where}: model_type={data.get('model_type')!r} is not an MTP drafter "
                          f"(expected {MODEL_TYPE!r})")
@@ -109,7 +111,7 @@ def config_from_dict(data: dict, where: str = "config.json") -> MtpDrafterConfig
         raise ValueError(f"{where}: 'draft_vocab' must be a list of token ids")
     try:
         return MtpDrafterConfig(kv_layers=tuple(target["kv_layers"]),
-                                rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+                                rms_norm_eps=data.get("rms_norm_eps", 1e-6),
                                 q_norm=bool(data.get("q_norm", False)),
                                 draft_vocab=tuple(vocab), **fields)
     except ValueError as err:

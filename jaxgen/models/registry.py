@@ -48,6 +48,7 @@ from jaxgen.models.shipped_drafters import (
     shipped_folder,
 )
 from jaxgen.models.tokenizer import Tokenizer
+from jaxgen.models.vocab_sizes import warn_if_model_vocab_larger
 
 KNOWN_MODELS = tuple(EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME)
 
@@ -78,7 +79,7 @@ def _load_gguf_blocks(name_or_path, dtype, cache_dir):
     else:
         raise ValueError(f"weights='gguf' keeps a GGUF file's blocks; {name!r} is not a .gguf "
                          f"file or an embedded GGUF model ({', '.join(sorted(EMBEDDED))})")
-    model, params, tokenizer = load(name, dtype, cache_dir=cache_dir)
+    model, params, tokenizer = _load(name, dtype, cache_dir=cache_dir)
     return model, block_params(open_gguf(path), model.config, params, path), tokenizer
 
 
@@ -116,12 +117,26 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     "gguf" (a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks kept as integers, jaxgen/models/gguf_blocks.py).
     group: int8 scales per `group` consecutive inputs of each output channel (it must divide
     every matrix's input size; None: one scale per output channel); only with weights="int8".
+
+    A model with more ids than its tokenizer gets a one-line RuntimeWarning naming both sizes
+    (the extra ids decode to nothing, as in transformers: jaxgen/models/vocab_sizes.py).
     """
+    loaded = _load(name_or_path, dtype, cache_dir=cache_dir, weights=weights, group=group)
+    model, _, tokenizer = loaded
+    if tokenizer is not None and hasattr(model, "vocab_size"):
+        warn_if_model_vocab_larger(model.vocab_size, tokenizer, os.fspath(name_or_path))
+    return loaded  # the same object the per-process cache of embedded models holds
+
+
+def _load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
+          weights: str = "float", group: int | None = None
+          ) -> tuple[Llama | MtpDrafterModel, dict, Tokenizer | None]:
+    """load() without the vocabulary check."""
     check_group(weights, group)
     if check_weights(weights) == "gguf":
         return _load_gguf_blocks(name_or_path, dtype, cache_dir)
     if weights != "float":
-        model, params, tokenizer = load(name_or_path, dtype, cache_dir=cache_dir)
+        model, params, tokenizer = _load(name_or_path, dtype, cache_dir=cache_dir)
         return model, quantized_params(model, params, weights, group), tokenizer
     name = os.fspath(name_or_path)
     if name.lower() == DRAFT_NAME:

@@ -25,6 +25,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.models.config_checks import FLOAT32_MAX, INT32_MAX, check_float, check_int
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -60,6 +62,20 @@ def validate(scaling: dict) -> None:
     missing = [k for k in needed if k not in scaling]
     if missing:
         raise ValueError(f"rope_type {rope_type!r} needs {missing}")
+    if "factor" in needed:  # HF's rule: a scaling factor >= 1 (0 would divide by zero)
+        check_float("rope_scaling.factor", scaling["factor"], 1.0, FLOAT32_MAX,
+                    low_included=True)
+    if rope_type == "llama3":
+        low = check_float("rope_scaling.low_freq_factor", scaling["low_freq_factor"], 0.0,
+                          FLOAT32_MAX)
+        high = check_float("rope_scaling.high_freq_factor", scaling["high_freq_factor"], 0.0,
+                           FLOAT32_MAX)
+        if high <= low:  # the smoothing divides by high - low
+            raise ValueError(f"rope_scaling.high_freq_factor={high} must be greater than "
+                             f"low_freq_factor={low}")
+        if "original_max_position_embeddings" in scaling:
+            check_int("rope_scaling.original_max_position_embeddings",
+                      scaling["original_max_position_embeddings"], 1, INT32_MAX)
 
 
 def _exponents(dim: int) -> np.ndarray:

@@ -12,8 +12,8 @@ Example:
     >>> write_safetensors(path, {"norm": np.ones(4, np.float32),
     ...                          "embed": np.zeros((3, 4), ml_dtypes.bfloat16)})
     >>> tensors = open_safetensors(path)
-    >>> sorted(tensors), tensors["embed"].dtype, tensors["norm"].shape
-    (['embed', 'norm'], dtype(bfloat16), (4,))
+    >>> sorted(tensors), tensors["embed"].dtype, tensors["norm"].shape, tensors.shape("embed")
+    (['embed', 'norm'], dtype(bfloat16), (4,), (3, 4))
 """
 from __future__ import annotations
 
@@ -56,6 +56,13 @@ class SafetensorsFile(Mapping):
     def __contains__(self, name) -> bool:
         return name in self._name_set
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor `name`, from the header (no data is read)."""
+        try:
+            return tuple(self._handle.get_slice(name).get_shape())
+        except safetensors.SafetensorError as err:
+            raise ValueError(f"{self.path}: cannot read tensor {name!r} ({err})") from None
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
@@ -87,6 +94,10 @@ class TensorFiles(Mapping):
 
     def __contains__(self, name) -> bool:
         return name in self._owner
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor `name`, from its file's header (no data is read)."""
+        return self._owner[name].shape(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._owner)

@@ -12,7 +12,8 @@ HF behaviours reproduced:
 - chat templates render in a sandboxed jinja2 environment with trim_blocks/lstrip_blocks,
   the loopcontrols extension, `raise_exception`, `strftime_now`, a non-escaping `tojson`, and
   the special tokens (`bos_token`, `eos_token`, ...) as variables; tokenizing the rendered
-  chat does not add special tokens again.
+  chat does not add special tokens again. The render is bounded in size and time
+  (jaxgen/models/chat_template.py: ChatTemplateError).
 
 Example (a word-level vocabulary written to a temporary folder):
     >>> import tempfile
@@ -36,11 +37,12 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 from typing import Any, Iterable
 
 import tokenizers
 from tokenizers import AddedToken, processors
+
+from jaxgen.models.chat_template import render
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
@@ -207,18 +209,25 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = True, chat_template: str | None = None,
+                            tokenize: bool = True, chat_template: str | None = None, *,
+                            max_rendered_chars: int | None = None,
+                            render_seconds: float | None = None,
                             **kwargs) -> list[int] | str:
-        """Renders `messages` like HF; returns ids (tokenize=True, no extra specials) or text."""
+        """Renders `messages` like HF; returns ids (tokenize=True, no extra specials) or text.
+
+        The render is bounded (jaxgen/models/chat_template.py): at most `max_rendered_chars`
+        characters (None: 1,000,000 + 16 per character of the input) and `render_seconds`
+        (None: 10 s); a template that passes either raises ChatTemplateError (a ValueError).
+        """
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this tokenizer has no chat_template; pass chat_template=...")
         variables = {**self.special_tokens, **kwargs}
         if self.additional_special_tokens:
             variables.setdefault("additional_special_tokens", list(self.additional_special_tokens))
-        rendered = _compile(template).render(messages=messages, tools=None, documents=None,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **variables)
+        rendered = render(template, messages, max_chars=max_rendered_chars,
+                          seconds=render_seconds, tools=None, documents=None,
+                          add_generation_prompt=add_generation_prompt, **variables)
         if not tokenize:
             return rendered
         return self.encode(rendered, add_special_tokens=False)
@@ -234,32 +243,3 @@ def _read_optional_json(path: str) -> dict:
             raise ValueError(f"{path}: invalid JSON ({err})") from None
 
 
-_TEMPLATES: dict[str, Any] = {}
-
-
-def _compile(template: str):
-    """A jinja2 template in HF's chat-template environment (cached per template string)."""
-    if template in _TEMPLATES:
-        return _TEMPLATES[template]
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    compiled = env.from_string(template)
-    _TEMPLATES[template] = compiled
-    return compiled

@@ -10,6 +10,11 @@ every generate call and a static argument of every program (jit keys on it), cho
     "portable"  no backend preparation: the program a GPU or TPU runs, on any platform
     "split"     the CPU backend's layouts whatever the model's size (XLA:CPU only)
 
+The native kernels' side (XLA:CPU): `kernel_setting()` ($JAXGEN_CPU_KERNELS, parsed: part of
+every executable-cache key), `native_target_names()` (what a stored program may call: the
+executable cache records which ones it does), `register_native_targets(names)` (before such
+a program is loaded) and `start_native_build()` (the CLI, before it loads a model).
+
 Example:
     >>> check_layout("portable")
     'portable'
@@ -19,6 +24,8 @@ Example:
     ValueError: layout='fused' is not a layout; expected one of 'auto', 'portable', 'split'
 """
 from __future__ import annotations
+
+import os
 
 import jax
 
@@ -76,13 +83,47 @@ def finish(state, layout: str):
     return state if backend is None else backend.finish(state)
 
 
-def register_native_targets() -> None:
-    """Registers the native targets a stored program may call (CPU kernels), if any."""
-    if jax.default_backend() == "cpu":
-        from jaxgen.backends.cpu import prepare
+def _kernels():
+    """The native kernels' build module (the seam's second door: building, not layouts)."""
+    from jaxgen.backends.cpu.kernels import build
 
-        prepare.register_native_targets()
+    return build
 
 
-__all__ = ["LAYOUTS", "check_layout", "finish", "layout_pieces", "layout_plan", "prepare",
-           "register_native_targets", "with_layout"]
+def kernel_setting() -> str:
+    """$JAXGEN_CPU_KERNELS parsed: "auto" or "off" (a ValueError naming the variable and the
+    values it takes for anything else). What a compiled program depends on, not the raw text:
+    `=0` and `=off` are the same setting."""
+    return _kernels().parse_kernel_setting(os.environ.get("JAXGEN_CPU_KERNELS"))
+
+
+def native_target_names() -> tuple[str, ...]:
+    """The FFI targets this backend's programs may call (none off XLA:CPU)."""
+    return _kernels().NATIVE_TARGETS if jax.default_backend() == "cpu" else ()
+
+
+def register_native_targets(names=None) -> bool:
+    """Registers the named native targets (all of native_target_names() when None), building
+    a kernel that is missing; True when every one is registered."""
+    names = native_target_names() if names is None else tuple(names)
+    if not names:
+        return True
+    if jax.default_backend() != "cpu":
+        return False
+    return _kernels().register_targets(names)
+
+
+def start_native_build(temporary: bool = False) -> None:
+    """Starts building the native kernels in the background (XLA:CPU with kernels on; nothing
+    otherwise), so the first program that needs them waits less. temporary: build into a
+    private folder removed at exit instead of the user's kernel cache (--no-cache)."""
+    if jax.default_backend() != "cpu" or kernel_setting() == "off":
+        return
+    if temporary:
+        _kernels().use_temporary_folder()
+    _kernels().start_background_build()
+
+
+__all__ = ["LAYOUTS", "check_layout", "finish", "kernel_setting", "layout_pieces", "layout_plan",
+           "native_target_names", "prepare", "register_native_targets", "start_native_build",
+           "with_layout"]

@@ -1,11 +1,20 @@
-"""The compiled programs every plan runs: one `jax.jit` per entry, the loop and the layout
-static by name.
+"""The compiled programs every plan runs: a `jax.jit` per entry and static configuration, the
+loop and the layout static by name, at most a bounded number alive.
 
     run_donated(params, state, cfg, inputs, loop=, layout=)   a whole call; the state is donated
     run_kept(params, state, cfg, inputs, loop=, layout=)      the same without donation (beam
                                                               search, calls under jax.vmap / jit)
     start(params, state, cfg, inputs, loop=, layout=)         chunked driver: prefill + first step
     advance(params, state, carry, begin, end, cfg, inputs, loop=, layout=)   chunked: steps
+
+A program is compiled per static configuration: the entry, the loop, the layout and the
+arguments' structure and shapes (the config's static fields, the prompt bucket, the bucket of
+new tokens, the stop-string tables' buckets, the number of EOS ids). Budgets, stop strings and
+EOS ids are dynamic inputs (jaxgen.config.program), so they do not add programs. At most
+`set_max_programs(n)` programs (default 16, $JAXGEN_MAX_PROGRAMS) stay alive: the least
+recently used is cleared (`jax.jit(...).clear_cache()` of its own wrapper), which frees its
+executable and code pages, so a long-lived process does not grow with the configurations
+it has seen. A cleared configuration compiles again when it comes back.
 
 `loop` is a static, hashable description (jaxgen.loops.decode.DecodeLoop,
 jaxgen.loops.beam.BeamLoop, jaxgen.speculative.loop.SpeculativeLoop or a custom_generate
@@ -29,12 +38,17 @@ Example (a second call with new prompts of the same bucket reuses the program):
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import os
 import threading
 import weakref
 
 import jax
+import numpy as np
 
+from jaxgen.config.fields import check_int
 from jaxgen.runtime import backend, executable_cache
 
 _TRACES = {"generate": 0}
@@ -108,11 +122,12 @@ def _forget(key) -> None:
 
 def _layout_pieces(params, *, loop, layout):
     """The backend's layout program; `loop` holds the plan (the static name the executable
-    cache keys on beside `layout`)."""
+    cache keys on beside `layout`). One program per plan: few, kept."""
     return backend.layout_pieces(params, loop, layout=layout)
 
 
 _layout_pieces_jit = jax.jit(_layout_pieces, static_argnames=("loop", "layout"))
+
 
 
 def _run(params, state, cfg, inputs, *, loop, layout):
@@ -138,37 +153,107 @@ def _advance(params, state, carry, begin, end, cfg, inputs, *, loop, layout):
 
 
 _STATIC = ("loop", "layout")
+# Unbounded wrappers of the entries, for lowering a program by hand (tests, tools); calls
+# go through `_program`, which bounds the live programs.
 _run_donated = jax.jit(_run, donate_argnames=("state",), static_argnames=_STATIC)
 _run_kept = jax.jit(_run, static_argnames=_STATIC)
 _start_jit = jax.jit(_start, donate_argnames=("state",), static_argnames=_STATIC)
 _advance_jit = jax.jit(_advance, donate_argnames=("state", "carry"), static_argnames=_STATIC)
+# entry -> (the function it traces, its donated arguments)
+_ENTRIES = {
+    "run_donated": (_run, ("state",)),
+    "run_kept": (_run, ()),
+    "start": (_start, ("state",)),
+    "advance": (_advance, ("state", "carry")),
+}
+MAX_PROGRAMS_DEFAULT = 16
+_PROGRAMS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_PROGRAMS_LOCK = threading.Lock()
+_LIMIT = [int(os.environ.get("JAXGEN_MAX_PROGRAMS", MAX_PROGRAMS_DEFAULT))]
+
+
+def set_max_programs(count: int) -> int:
+    """Keeps at most `count` compiled programs alive (least recently used go first; default
+    16, or $JAXGEN_MAX_PROGRAMS); returns the previous limit. Evicted programs are freed:
+    their executables, traces and code pages."""
+    check_int("max_programs", count, low=1)
+    with _PROGRAMS_LOCK:
+        previous, _LIMIT[0] = _LIMIT[0], int(count)
+        _evict_over_limit()
+    return previous
+
+
+def live_programs() -> int:
+    """How many compiled programs (static configurations) are alive in this process."""
+    with _PROGRAMS_LOCK:
+        return len(_PROGRAMS)
+
+
+def _evict_over_limit() -> None:
+    while len(_PROGRAMS) > _LIMIT[0]:
+        _, jitted = _PROGRAMS.popitem(last=False)
+        jitted.clear_cache()  # the executables, the traces and jax's lookups of this wrapper
+
+
+def _signature(args: tuple) -> tuple:
+    """What selects a compiled program besides the static names: the arguments' tree
+    structure (with the static aux data: config fields, model, prompt bucket) and every
+    leaf's shape, dtype, weak type and sharding."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple(_leaf_signature(leaf) for leaf in leaves)
+
+
+def _leaf_signature(leaf) -> tuple:
+    if isinstance(leaf, jax.core.Tracer):
+        aval = leaf.aval
+        return aval.shape, str(aval.dtype), getattr(aval, "weak_type", False)
+    if isinstance(leaf, jax.Array):
+        return leaf.shape, str(leaf.dtype), getattr(leaf, "weak_type", False), leaf.sharding
+    return np.shape(leaf), type(leaf).__name__, str(getattr(leaf, "dtype", ""))
+
+
+def _program(name: str, args: tuple, statics: dict):
+    """The jit wrapper of one static configuration of entry `name`, made on first use; the
+    least recently used past the limit is cleared. One wrapper (a function object of its
+    own, so clearing it frees only its program) per configuration."""
+    key = (name, tuple(sorted(statics.items())), _signature(args))
+    with _PROGRAMS_LOCK:
+        jitted = _PROGRAMS.pop(key, None)
+        if jitted is None:
+            fn, donated = _ENTRIES[name]
+            jitted = jax.jit(functools.wraps(fn)(lambda *a, **k: fn(*a, **k)),
+                             donate_argnames=donated, static_argnames=_STATIC)
+        _PROGRAMS[key] = jitted
+        _evict_over_limit()
+    return jitted
+
+
+def _call(name: str, args: tuple, **statics):
+    """Entry `name` on `args` through its bounded program and the executable cache."""
+    return executable_cache.call(name, _program(name, args, statics), args, **statics)
 
 
 # Each entry goes through jaxgen.runtime.executable_cache: a plain jit call unless a cache is
 # enabled (the CLI enables one: a warm process then runs stored executables without tracing).
 def run_donated(params, state, cfg, inputs, *, loop, layout="auto"):
     params = _laid_out(params, state, loop, cfg, layout)
-    return executable_cache.call("run_donated", _run_donated, (params, state, cfg, inputs),
-                                 loop=loop, layout=layout)
+    return _call("run_donated", (params, state, cfg, inputs), loop=loop, layout=layout)
 
 
 def run_kept(params, state, cfg, inputs, *, loop, layout="auto"):
     params = _laid_out(params, state, loop, cfg, layout)
-    return executable_cache.call("run_kept", _run_kept, (params, state, cfg, inputs),
-                                 loop=loop, layout=layout)
+    return _call("run_kept", (params, state, cfg, inputs), loop=loop, layout=layout)
 
 
 def start(params, state, cfg, inputs, *, loop, layout="auto"):
     params = _laid_out(params, state, loop, cfg, layout)
-    return executable_cache.call("start", _start_jit, (params, state, cfg, inputs),
-                                 loop=loop, layout=layout)
+    return _call("start", (params, state, cfg, inputs), loop=loop, layout=layout)
 
 
 def advance(params, state, carry, begin, end, cfg, inputs, *, loop, layout="auto"):
     params = _laid_out(params, state, loop, cfg, layout)
-    return executable_cache.call("advance", _advance_jit,
-                                 (params, state, carry, begin, end, cfg, inputs),
-                                 loop=loop, layout=layout)
+    return _call("advance", (params, state, carry, begin, end, cfg, inputs), loop=loop,
+                 layout=layout)
 
 
 def trace_count() -> int:

@@ -40,6 +40,12 @@ from jaxgen.logits.chain import process_logits
 from jaxgen.logits.sampling import sample_rows
 
 
+def pad_of(state):
+    """The pad id of a DecodeState (`state.pad`: a program's dynamic int32 []) or of any rows
+    object with a `pad_token_id`."""
+    return getattr(state, "pad", state.pad_token_id)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftBuffers:
@@ -57,7 +63,7 @@ class DraftBuffers:
         batch = state.tokens.shape[0]
         q = jnp.zeros((batch, num_tokens, vocab), jnp.float32) if request.keep_q else None
         return cls(tokens=state.tokens, active=request.k_want > 0,
-                   drafts=jnp.full((batch, num_tokens), state.pad_token_id, jnp.int32),
+                   drafts=jnp.full((batch, num_tokens), pad_of(state), jnp.int32),
                    q_scores=q, k_row=jnp.zeros((batch,), jnp.int32))
 
     def proposal(self, forwards) -> Proposal:
@@ -77,7 +83,7 @@ def draft_step(request, buffers: DraftBuffers, i, logits: jax.Array) -> DraftBuf
         d = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [B]
     width = buffers.drafts.shape[1]
     active = buffers.active & (i < width)  # [B]
-    d = jnp.where(active, d, state.pad_token_id)  # [B]
+    d = jnp.where(active, d, pad_of(state))  # [B]
     column = jnp.where(i < width, i, width)  # out of range -> dropped
     drafts = buffers.drafts.at[:, column].set(d, mode="drop")  # [B, K]
     q_scores = buffers.q_scores

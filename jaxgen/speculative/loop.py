@@ -230,7 +230,7 @@ def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: S
                                       weight)
     else:
         n, fix = verify.accept_greedy(drafts, k_row, p_scores, q_scores, weight)
-    out = verify.assemble(drafts, n, fix, state.pad_token_id)  # [B, k+1]
+    out = verify.assemble(drafts, n, fix, state.pad)  # [B, k+1]
 
     # Emit out[:, :n+1] but stop after the first position where a stop condition fires.
     rows = jnp.arange(batch)[:, None]

@@ -29,6 +29,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxgen.config.program import eos_array
+
 NOT_STOPPED, EOS, MAX_LENGTH, STOP_STRING, CUSTOM, MAX_TIME, CANCELLED = 0, 1, 2, 3, 4, 5, 6
 INVALID_LOGITS = 7
 STOP_REASONS = {NOT_STOPPED: "not_stopped", EOS: "eos", MAX_LENGTH: "max_length",
@@ -38,11 +40,12 @@ STOP_REASONS = {NOT_STOPPED: "not_stopped", EOS: "eos", MAX_LENGTH: "max_length"
 StoppingCriterionFn = Callable[..., jax.Array]
 
 
-def hit_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    """tokens int32 [B] -> bool [B]: the token is one of the EOS ids."""
+def hit_eos(tokens: jax.Array, eos_ids) -> jax.Array:
+    """tokens int32 [B] -> bool [B]: the token is one of the EOS ids (a tuple, or a program
+    config's dynamic table, jaxgen.config.program.EosTable)."""
     if not eos_ids:
         return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))  # [B]
+    return jnp.isin(tokens, eos_array(eos_ids))  # [B]
 
 
 def out_of_budget(length: jax.Array, prompt_len: jax.Array, max_new: jax.Array,

@@ -48,7 +48,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# (id(tokenizer), strings, vocab) -> (tokenizer, host tables), least recently used first;
+# at most TABLE_CACHE_SIZE entries (each holds two [vocab] arrays).
 _TABLE_CACHE: dict = {}
+TABLE_CACHE_SIZE = 16
+# id(tokenizer) -> (tokenizer, token_texts(tokenizer)): the vocabulary pass, once per tokenizer.
+_TEXTS_CACHE: dict = {}
+TEXTS_CACHE_SIZE = 4
 # "<0xHH>" byte-fallback tokens: what the tokenizers decoder parses as a byte (two hex digits,
 # or Rust's optional "+" and one digit); anything else ("<0x 1>") is text.
 _BYTE_DIGITS = re.compile(r"\+?[0-9A-Fa-f]{1,2}")
@@ -199,10 +205,16 @@ class StopStringTables:
     row     int32 [Vt]        compact row of each token id (Vt = vocab + 1; the last id is a
                               dummy for out-of-range / before-the-start positions)
     length  int32 [Vt]        length of each token's text
-    end     bool  [R, S, W]   end overlaps k (W = longest stop string + 1)
+    end     bool  [R, S, W]   end overlaps k (W > the longest stop string)
     valid   bool  [R, S, W]   continuation positions m
     target  int32 [S]         stop-string lengths
-    strings, window           static: the stop strings, tokens inspected per step
+    reach   int32 []          tokens inspected per step (the longest stop string)
+    strings, window           static: the stop strings (() in a program's state, see
+                              `program_tables`), and the bucket of `reach` (W - 1)
+
+    R, S and W are padded to buckets (`table_bucket`) with all-false rows, strings and
+    columns, and `reach` is dynamic: new stop strings of the same buckets reuse a compiled
+    program, with the same hits.
     """
 
     row: jax.Array
@@ -210,12 +222,39 @@ class StopStringTables:
     end: jax.Array
     valid: jax.Array
     target: jax.Array
+    reach: jax.Array
     strings: tuple = dataclasses.field(metadata=dict(static=True))
     window: int = dataclasses.field(metadata=dict(static=True))
 
 
+def table_bucket(n: int, least: int) -> int:
+    """The padded size of a stop-table axis: the smallest power of two >= n, at least `least`.
+
+    >>> [table_bucket(n, 8) for n in (1, 8, 9, 100)]
+    [8, 8, 16, 128]
+    """
+    return max(int(least), 1 << max(int(n) - 1, 0).bit_length())
+
+
+def program_tables(tables: StopStringTables | None) -> StopStringTables | None:
+    """The tables as a compiled program takes them: without the strings (static), so a
+    program is keyed on the buckets alone."""
+    return None if tables is None else dataclasses.replace(tables, strings=())
+
+
+def _cached_texts(tokenizer):
+    """token_texts(tokenizer), computed once per tokenizer (the last few are kept)."""
+    cached = _TEXTS_CACHE.pop(id(tokenizer), None)
+    if cached is None or cached[0] is not tokenizer:
+        cached = (tokenizer, token_texts(tokenizer))
+    _TEXTS_CACHE[id(tokenizer)] = cached
+    while len(_TEXTS_CACHE) > TEXTS_CACHE_SIZE:
+        _TEXTS_CACHE.pop(next(iter(_TEXTS_CACHE)))
+    return cached[1]
+
+
 def _host_tables(tokenizer, strings: tuple[str, ...], vocab_size: int):
-    texts, mode = token_texts(tokenizer)
+    texts, mode = _cached_texts(tokenizer)
     stops = [s.encode("utf-8") if mode is not None else s for s in strings]
     width = max(len(s) for s in stops) + 1
     table_rows = max(vocab_size, max(texts) + 1) + 1
@@ -242,7 +281,25 @@ def _host_tables(tokenizer, strings: tuple[str, ...], vocab_size: int):
         raise ValueError(f"`stop_strings`: no token of the vocabulary can end {missing!r}; the "
                          f"string(s) hold characters the tokenizer cannot produce")
     target = np.array([len(s) for s in stops], np.int32)
-    return row, length, np.stack(ends), np.stack(valids), target, width - 1
+    return _padded(row, length, np.stack(ends), np.stack(valids), target, width - 1)
+
+
+# Least bucket per axis of the padded tables: compact rows, strings, columns (W).
+LEAST_ROWS, LEAST_STRINGS, LEAST_WIDTH = 64, 4, 8
+
+
+def _padded(row, length, end, valid, target, reach):
+    """The host tables with R, S and W padded to their buckets (all-false entries; a padded
+    string's target is W, which no state reaches)."""
+    rows, strings, width = end.shape
+    shape = (table_bucket(rows, LEAST_ROWS), table_bucket(strings, LEAST_STRINGS),
+             table_bucket(width, LEAST_WIDTH))
+    big_end, big_valid = np.zeros(shape, bool), np.zeros(shape, bool)  # [R, S, W] each
+    big_end[:rows, :strings, :width] = end
+    big_valid[:rows, :strings, :width] = valid
+    big_target = np.full((shape[1],), shape[2], np.int32)  # [S]
+    big_target[:strings] = target
+    return row, length, big_end, big_valid, big_target, reach
 
 
 def build_stop_tables(tokenizer, stop_strings: str | Sequence[str],
@@ -264,10 +321,15 @@ def build_stop_tables(tokenizer, stop_strings: str | Sequence[str],
     if cached is None or cached[0] is not tokenizer:
         cached = (tokenizer, _host_tables(tokenizer, strings, int(vocab_size)))
         _TABLE_CACHE[key] = cached
-    row, length, end, valid, target, window = cached[1]
-    return StopStringTables(row=jnp.asarray(row), length=jnp.asarray(length),
-                            end=jnp.asarray(end), valid=jnp.asarray(valid),
-                            target=jnp.asarray(target), strings=strings, window=int(window))
+        while len(_TABLE_CACHE) > TABLE_CACHE_SIZE:  # the oldest entry goes
+            _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
+    else:
+        _TABLE_CACHE[key] = _TABLE_CACHE.pop(key)  # most recently used: last
+    row, length, end, valid, target, reach = cached[1]
+    put = jax.device_put  # host arrays over as they are: no program compiles
+    return StopStringTables(row=put(row), length=put(length), end=put(end), valid=put(valid),
+                            target=put(target), reach=put(np.int32(reach)), strings=strings,
+                            window=end.shape[-1] - 1)
 
 
 # --------------------------------------------------------------------------- check
@@ -278,6 +340,7 @@ def stop_string_hit(tables: StopStringTables, tokens: jax.Array, length: jax.Arr
     """
     dummy = tables.row.shape[0] - 1
     width = tables.end.shape[-1]
+    reach = jnp.asarray(tables.reach, jnp.int32)  # [] steps past it look back too far
     back = jnp.arange(tables.window)  # [M]
     index = length[:, None] - 1 - back[None, :]  # [B, M] newest first
     ids = jnp.take_along_axis(tokens, jnp.clip(index, 0, tokens.shape[1] - 1), axis=1)
@@ -289,7 +352,7 @@ def stop_string_hit(tables: StopStringTables, tokens: jax.Array, length: jax.Arr
     states = tables.end[rows[:, 0]]  # [B, S, W] matched-suffix lengths after the newest token
     matched = jnp.any(states & (m >= target), axis=-1)  # [B, S]
     for j in range(1, tables.window):
-        cont = states & tables.valid[rows[:, j]]  # [B, S, W]
+        cont = states & tables.valid[rows[:, j]] & (j < reach)  # [B, S, W]
         step = lengths[:, j][:, None, None]  # [B, 1, 1]
         matched |= jnp.any(cont & (m + step >= target), axis=-1)
         source = m[None, None, :] - step  # [B, 1, W]

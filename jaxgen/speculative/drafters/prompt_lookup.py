@@ -37,6 +37,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxgen.config.program import eos_array
 from jaxgen.core.contracts import DraftRequest, Proposal
 
 DEFAULT_MAX_NGRAM = 2  # HF: max_matching_ngram_size or 2
@@ -69,7 +70,7 @@ def lookup_drafts(tokens: jax.Array, length: jax.Array, *, num_tokens: int, max_
     drafts = jnp.take_along_axis(tokens, jnp.clip(index, 0, width - 1), axis=1)  # [B, K]
     count = jnp.clip(length - start, 0, num_tokens)  # [B] continuation stays inside the row
     if eos_ids:
-        is_eos = jnp.isin(drafts, jnp.asarray(eos_ids, jnp.int32))  # [B, K]
+        is_eos = jnp.isin(drafts, eos_array(eos_ids))  # [B, K]
         first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), num_tokens)
         count = jnp.minimum(count, first_eos)
     k_row = jnp.where(found, jnp.minimum(count, k_cap), 0).astype(jnp.int32)  # [B]

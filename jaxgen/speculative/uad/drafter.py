@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.cache.layout import cache_dtype
+from jaxgen.config.program import eos_array
 from jaxgen.core.contracts import DraftRequest, Proposal
 from jaxgen.core.step import prefill_tokens, write_if_live
 from jaxgen.logits.chain import sampling_warpers
@@ -187,7 +188,7 @@ class UadDrafter:
         batch = state.tokens.shape[0]
         q = (jnp.zeros((batch, self.num_tokens, state.model.vocab_size), jnp.float32)
              if request.keep_q else None)
-        proposal = Proposal(drafts=jnp.full((batch, self.num_tokens), state.pad_token_id,
+        proposal = Proposal(drafts=jnp.full((batch, self.num_tokens), state.pad,
                                             jnp.int32), q_scores=q,
                             k_row=jnp.zeros((batch,), jnp.int32), tokens=state.tokens,
                             forwards=jnp.int32(0))
@@ -249,7 +250,7 @@ class UadDrafter:
         drafts = jnp.zeros((batch, K), jnp.int32)  # [B, K]
         q = jnp.full((batch, K, state.model.vocab_size), -jnp.inf, jnp.float32) \
             if self.sample else None  # [B, K, Vt]
-        eos = jnp.asarray(cfg.eos_ids or (-2,), jnp.int32)  # [E]
+        eos = eos_array(cfg.eos_ids) if cfg.eos_ids else jnp.full((1,), -2, jnp.int32)  # [E]
 
         def step(i, logits, drafts, q, k_row, going):
             d, scores = self._choose(cfg, logits, keys, i, to_target)  # [B], [B, Va]
@@ -284,7 +285,7 @@ class UadDrafter:
         _, cache, drafts, q, k_row, _, forwards = jax.lax.while_loop(cond, body, carry)
         image = to_target[jnp.clip(drafts, 0, to_target.shape[0] - 1)]  # [B, K]
         t_drafts = jnp.where(jnp.arange(K)[None, :] < k_row[:, None], jnp.maximum(image, 0),
-                             state.pad_token_id)  # [B, K]
+                             state.pad)  # [B, K]
         new_state = UadDraftState(cache=cache, drafts=drafts, k_row=k_row, forwards=forwards)
         return new_state, t_drafts, q, forwards
 

@@ -1,33 +1,68 @@
 """Compile the native kernels (`few_rows.cc`; `quantized_rows.cc`, a library of its own built
-on the first quantized product) with the system C++ compiler on first use and register it with XLA.
+on the first quantized product) with the system C++ compiler on first use and register them
+with XLA.
 
-The shared library lands in a cache folder ($JAXGEN_KERNEL_DIR, else
-$XDG_CACHE_HOME/jaxgen/kernels, else ~/.cache/jaxgen/kernels) under a name that hashes the
-sources, the flags, jaxlib's version, the compiler's version and the CPU's feature flags, so a
-later process loads it without compiling (about 10 s) and a changed machine or jaxlib builds
-its own. $JAXGEN_CPU_KERNELS=off never builds; when building fails (no compiler, no FFI
-headers) `ffi_target()` returns None once with a warning that says why, and callers run
-XLA's own products.
+The shared library lands in a private folder ($JAXGEN_KERNEL_DIR, else
+$XDG_CACHE_HOME/jaxgen/kernels, else ~/.cache/jaxgen/kernels; 0700, checked with every folder
+above it) under a name that hashes the sources, the flags, jaxlib's version, the compiler's
+version and the CPU's feature flags, so a later process loads it without compiling (about
+10 s) and a changed machine or jaxlib builds its own. Before a library is loaded, its folder
+chain and the file itself (opened without following a link) are checked: the user's, not
+writable by group or others. A folder that fails is replaced, with a one-line warning, by a
+private folder for this process; a file that fails is refused with a one-line warning and
+built again. `use_temporary_folder()` (the CLI's --no-cache) writes nothing to that cache: a
+library already there is loaded, a missing one builds into a private folder removed at exit.
+
+The compiler runs in a process group of its own with a deadline ($JAXGEN_KERNEL_BUILD_TIMEOUT
+seconds, default 120, for the whole build): past it the group is killed, and so it is when
+the build is interrupted (an exception, SIGTERM while waiting, the process exiting; on Linux
+the compiler also dies with the process). `start_background_build()` starts the few-row
+kernel's build in a thread (the CLI calls it before loading the model); the first use then
+waits at most what is left of the deadline. `python -m jaxgen.backends.cpu.kernels.build`
+builds both libraries ahead of time.
+
+$JAXGEN_CPU_KERNELS (`parse_kernel_setting`): auto / on / 1 / true / yes (or unset) build and
+use the kernels, off / 0 / false / no never build; anything else is a ValueError naming the
+variable and the values. When building fails (no compiler, no FFI headers, the deadline)
+`ffi_target()` returns None once with a warning that says why, and callers run XLA's own
+products.
 
 Example:
-    >>> from jaxgen.backends.cpu.kernels.build import kernel_setting
-    >>> kernel_setting() in ("auto", "off")
-    True
+    >>> parse_kernel_setting("1"), parse_kernel_setting("No"), parse_kernel_setting(None)
+    ('auto', 'off', 'auto')
+    >>> parse_kernel_setting("fast")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: JAXGEN_CPU_KERNELS='fast' is not a kernel setting; expected auto, on, 1, ...
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
+import shutil
 import subprocess
+import sys
 import tempfile
+import threading
+import time
 import warnings
 from pathlib import Path
 
 import jax
 import jaxlib
+
+from jaxgen.backends.cpu.kernels.compiler_run import run_compiler, terms_while_waiting
+from jaxgen.storage.private import (
+    NotPrivate,
+    check_private_file,
+    private_folder,
+    private_folder_or_fallback,
+)
 
 HEADER = Path(__file__).with_name("few_rows.h")  # shared by both sources
 SOURCE = Path(__file__).with_name("few_rows.cc")
@@ -36,27 +71,82 @@ TARGET_NAME = "jaxgen_few_rows"  # what ffi_target() names: float32 weights
 HANDLER_SYMBOL = "JaxgenFewRows"
 QUANTIZED_TARGET_NAME = "jaxgen_quantized_rows"  # int8 / 4-bit codes
 QUANTIZED_HANDLER_SYMBOL = "JaxgenQuantizedRows"
+NATIVE_TARGETS = (TARGET_NAME, QUANTIZED_TARGET_NAME)  # every FFI target a program may call
 SETTING_VARIABLE = "JAXGEN_CPU_KERNELS"
 SETTINGS = ("auto", "off")
+SETTING_WORDS = {"auto": "auto", "on": "auto", "1": "auto", "true": "auto", "yes": "auto",
+                 "off": "off", "0": "off", "false": "off", "no": "off"}
+TIMEOUT_VARIABLE = "JAXGEN_KERNEL_BUILD_TIMEOUT"
+DEFAULT_TIMEOUT_S = 120.0
+STALE_BUILD_S = 3600.0  # a half-built file this old was left by a build that was killed
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler refuses them
 
 
+def parse_kernel_setting(raw: str | None) -> str:
+    """"auto" or "off" for a $JAXGEN_CPU_KERNELS value (None or blank: "auto"); any other
+    value is a ValueError naming the variable and the values it takes."""
+    word = (raw or "").strip().lower() or "auto"
+    if word not in SETTING_WORDS:
+        on = ", ".join(w for w, s in SETTING_WORDS.items() if s == "auto")
+        off = ", ".join(w for w, s in SETTING_WORDS.items() if s == "off")
+        raise ValueError(f"{SETTING_VARIABLE}={raw!r} is not a kernel setting; expected {on} "
+                         f"(build and use the native kernels) or {off} (XLA's own products)")
+    return SETTING_WORDS[word]
+
+
 def kernel_setting() -> str:
-    """$JAXGEN_CPU_KERNELS ("auto" when unset); any other value than SETTINGS is a ValueError."""
-    setting = os.environ.get(SETTING_VARIABLE, "auto").strip().lower() or "auto"
-    if setting not in SETTINGS:
-        raise ValueError(f"{SETTING_VARIABLE}={setting!r} is not a kernel setting; "
-                         f"expected one of {', '.join(SETTINGS)}")
-    return setting
+    """$JAXGEN_CPU_KERNELS, parsed ("auto" or "off"; ValueError for any other value)."""
+    return parse_kernel_setting(os.environ.get(SETTING_VARIABLE))
+
+
+def build_timeout() -> float:
+    """Seconds a whole build may take: $JAXGEN_KERNEL_BUILD_TIMEOUT (a positive number),
+    else DEFAULT_TIMEOUT_S."""
+    raw = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{TIMEOUT_VARIABLE}={raw!r} is not a build timeout; expected a "
+                         f"positive number of seconds (default {DEFAULT_TIMEOUT_S:g})")
+    return value
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept."""
+    """Where built kernels are kept (the folder as named; `kernel_folder` makes it private)."""
     if os.environ.get("JAXGEN_KERNEL_DIR"):
         return Path(os.environ["JAXGEN_KERNEL_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "jaxgen" / "kernels"
+
+
+_TEMPORARY: list[Path] = []  # use_temporary_folder's folder, when set
+
+
+def use_temporary_folder() -> Path:
+    """From now on, nothing is written to the user's kernel cache: a library already there
+    (and private) is loaded, one that is missing builds into a fresh private folder removed
+    at exit."""
+    if not _TEMPORARY:
+        folder = Path(tempfile.mkdtemp(prefix="jaxgen-kernels-"))  # 0700
+        atexit.register(shutil.rmtree, folder, True)
+        _TEMPORARY.append(folder)
+    return _TEMPORARY[0]
+
+
+def kernel_folder() -> Path:
+    """The private folder built kernels go to and are loaded from (a one-line warning and a
+    private folder for this process when the cache folder is not private)."""
+    if _TEMPORARY:
+        return private_folder(_TEMPORARY[0])
+    return private_folder_or_fallback(cache_dir(), "kernel cache")
+
+
+_BUILD = f"the kernel build (${TIMEOUT_VARIABLE})"
 
 
 def _compiler() -> str:
@@ -73,43 +163,167 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
-def _library_name(source: Path, flags: tuple[str, ...]) -> str:
-    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
-                             timeout=60).stdout
+def _library_name(source: Path, flags: tuple[str, ...], deadline: float) -> str:
+    version = run_compiler([_compiler(), "--version"], deadline, _BUILD).stdout
     digest = hashlib.sha256("\n".join([
-        source.read_text(), HEADER.read_text(), " ".join(flags), jaxlib.__version__, version, _cpu_flags(),
+        source.read_text(), HEADER.read_text(), " ".join(flags), jaxlib.__version__, version,
+        _cpu_flags(),
     ]).encode()).hexdigest()[:16]
     return f"{source.stem}-{digest}.so"
 
 
-def _compile(target: Path, flags: tuple[str, ...], source: Path = SOURCE) -> None:
-    """Build into a temporary file beside target, then rename it (atomic: parallel test
-    workers may build at once)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+def _compile(target: Path, flags: tuple[str, ...], source: Path, deadline: float) -> None:
+    """Build into a temporary file beside target (mode 0600), then rename it (atomic:
+    parallel test workers may build at once)."""
+    for stale in target.parent.glob(".building-*"):  # left by a build that was killed
+        try:
+            if stale.lstat().st_mtime < time.time() - STALE_BUILD_S:
+                stale.unlink()
+        except OSError:
+            pass
+    handle, scratch = tempfile.mkstemp(suffix=".so", prefix=".building-", dir=target.parent)
     os.close(handle)
     try:
         command = [_compiler(), *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", scratch]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        result = run_compiler(command, deadline, _BUILD)
         if result.returncode:
             raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
+        os.chmod(scratch, 0o600)  # the linker writes 0755 & ~umask
         os.replace(scratch, target)
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)
 
 
-def _load_library(source: Path = SOURCE) -> ctypes.CDLL:
+def _refuse(target: Path, why: Exception) -> Path:
+    """A library that is not the user's own: warned, removed, and the folder to build in."""
+    warnings.warn(f"jaxgen: refusing the kernel library {target} ({why}); building it again",
+                  RuntimeWarning, stacklevel=2)
+    try:
+        os.remove(target)
+        return target.parent
+    except OSError:
+        return private_folder(tempfile.mkdtemp(prefix="jaxgen-kernels-"))
+
+
+def _checked(target: Path) -> bool:
+    """True when target is a library of the user's, not writable by others (checked on the
+    file opened without following a link); False when it is missing; NotPrivate otherwise."""
+    try:
+        handle = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    except OSError as error:  # a link (ELOOP) or unreadable
+        raise NotPrivate(f"{target} cannot be opened as a plain file ({error})") from None
+    try:
+        check_private_file(target, os.fstat(handle))
+    finally:
+        os.close(handle)
+    return True
+
+
+def _in_user_cache(name: str) -> Path | None:
+    """The user's kernel cache's library `name` when the folder exists, is private and holds
+    it as a file of the user's (nothing is created there)."""
+    if not cache_dir().is_dir():
+        return None
+    try:
+        target = private_folder(cache_dir()) / name
+        return target if _checked(target) else None
+    except OSError:
+        return None
+
+
+def build_library(source: Path = SOURCE, deadline: float | None = None) -> Path:
+    """The checked library of `source` in the kernel folder, compiled when missing or
+    refused; RuntimeError (or OSError) with the reasons when it cannot be built in time."""
+    deadline = time.monotonic() + build_timeout() if deadline is None else deadline
     errors = []
     for flags in (FLAGS + NATIVE_FLAGS, FLAGS):
         try:
-            target = cache_dir() / _library_name(source, flags)
-            if not target.exists():
-                _compile(target, flags, source)
-            return ctypes.CDLL(str(target))
+            folder = kernel_folder()
+            target = folder / _library_name(source, flags, deadline)
+            cached = _in_user_cache(target.name) if _TEMPORARY else None
+            if cached is not None:
+                return cached
+            try:
+                present = _checked(target)
+            except NotPrivate as why:
+                target = _refuse(target, why) / target.name
+                present = False
+            if not present:
+                _compile(target, flags, source, deadline)
+                _checked(target)
+            return target
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             errors.append(str(error))
+            if time.monotonic() >= deadline:
+                break
     raise RuntimeError("; ".join(errors))
+
+
+class _Build(threading.Thread):
+    """A library built in the background; `result()` waits for it, until its deadline."""
+
+    def __init__(self, source: Path, deadline: float):
+        super().__init__(name=f"jaxgen-kernel-build-{source.stem}", daemon=True)
+        self.source, self.deadline = source, deadline
+        self.path: Path | None = None
+        self.error: BaseException | None = None
+
+    def run(self):
+        try:
+            self.path = build_library(self.source, self.deadline)
+        except BaseException as error:  # noqa: BLE001  (handed to the waiting caller)
+            self.error = error
+
+    def result(self) -> Path:
+        with terms_while_waiting():
+            while self.is_alive() and time.monotonic() < self.deadline:
+                self.join(timeout=min(0.25, max(self.deadline - time.monotonic(), 0.0)))
+        if self.is_alive():
+            raise RuntimeError(f"the background kernel build did not finish within "
+                               f"{build_timeout():g} s ({TIMEOUT_VARIABLE})")
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+_BUILDS: dict[str, _Build] = {}  # source name -> its background build
+_BUILDS_LOCK = threading.Lock()
+
+
+def start_background_build() -> None:
+    """Starts building the few-row kernel in a thread (nothing when kernels are off or the
+    build has started or finished): the first use waits at most the rest of the deadline."""
+    if kernel_setting() == "off" or _registered_target.cache_info().currsize:
+        return
+    with _BUILDS_LOCK:
+        if SOURCE.name not in _BUILDS:
+            build = _Build(SOURCE, time.monotonic() + build_timeout())
+            _BUILDS[SOURCE.name] = build
+            build.start()
+
+
+def _library_path(source: Path) -> Path:
+    with _BUILDS_LOCK:
+        build = _BUILDS.get(source.name)
+    return build.result() if build is not None else build_library(source)
+
+
+def _load_library(source: Path = SOURCE) -> ctypes.CDLL:
+    target = _library_path(source)
+    handle = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        checked = os.fstat(handle)
+        check_private_file(target, checked)
+        library = ctypes.CDLL(str(target))
+        now = os.stat(target)
+        if (now.st_dev, now.st_ino) != (checked.st_dev, checked.st_ino):
+            raise NotPrivate(f"{target} was replaced while it was loaded")
+    finally:
+        os.close(handle)
+    return library
 
 
 def ffi_target() -> str | None:
@@ -158,10 +372,41 @@ def _registered_quantized_target() -> str | None:
     return QUANTIZED_TARGET_NAME
 
 
+def register_targets(names) -> bool:
+    """Registers the named FFI targets (NATIVE_TARGETS), building what is missing; True when
+    every one is registered, False when one is not available (or not a target of these)."""
+    registered = {TARGET_NAME: ffi_target, QUANTIZED_TARGET_NAME: quantized_target}
+    return all(name in registered and registered[name]() == name for name in names)
+
+
 def group_rows() -> int:
     """Input rows the built kernel streams a weight row for at once: 8 where AVX-512 gives it 32
     vector registers, 4 otherwise; 0 when the kernel is not available."""
     return 0 if ffi_target() is None else int(_LOADED[SOURCE.name].JaxgenFewRowsGroupRows())
 
 
-__all__ = ["SETTINGS", "cache_dir", "ffi_target", "group_rows", "kernel_setting", "quantized_target"]
+def main(argv=None) -> int:
+    """`python -m jaxgen.backends.cpu.kernels.build`: builds both libraries into the kernel
+    folder now (a later run loads them), prints where; exit status 1 when one fails."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["build"]):
+        print("usage: python -m jaxgen.backends.cpu.kernels.build [build]", file=sys.stderr)
+        return 2
+    status = 0
+    for source in (SOURCE, QUANTIZED_SOURCE):
+        try:
+            print(f"{source.name}: {build_library(source)}")
+        except (OSError, RuntimeError, ValueError) as error:
+            print(f"{source.name}: not built: {error}", file=sys.stderr)
+            status = 1
+    return status
+
+
+__all__ = ["NATIVE_TARGETS", "SETTINGS", "build_library", "build_timeout", "cache_dir",
+           "ffi_target", "group_rows", "kernel_folder", "kernel_setting", "parse_kernel_setting",
+           "quantized_target", "register_targets", "start_background_build",
+           "use_temporary_folder"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
