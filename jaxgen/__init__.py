@@ -6,24 +6,33 @@ Example (illustration: loads the embedded 135M model):
     >>> jaxgen.generate_text(model, params, tokenizer, ["What is the capital of France?"],
     ...                      chat=True, max_new_tokens=20)  # doctest: +SKIP
 """
-from jaxgen.api.generate import default_config, generate, generate_ids, trace_count
-from jaxgen.api.text import generate_text
-from jaxgen.cache import KVCache
-from jaxgen.config.generation import GenerationConfig
-from jaxgen.config.watermarking import SynthIDTextWatermarkingConfig, WatermarkingConfig
-from jaxgen.core.output import GenerateOutput
-from jaxgen.core.state import DecodeState, init_state
-from jaxgen.logits.watermark.detect import WatermarkDetector
-from jaxgen.logits.watermark.synthid_detect import SynthIDTextDetector
-from jaxgen.stopping.criteria import (
-    ConfidenceCriteria,
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    MaxTimeCriteria,
-    StoppingCriteriaList,
-    StopStringCriteria,
-    validate_stopping_criteria,
-)
+import importlib
+
+# The public names and the module each comes from. They are imported on first use, so that
+# `import jaxgen` (and the `jaxgen` command's start, which installs its signal handlers
+# before jax loads) costs nothing.
+_PUBLIC = {
+    "default_config": "jaxgen.api.generate", "generate": "jaxgen.api.generate",
+    "generate_ids": "jaxgen.api.generate", "trace_count": "jaxgen.api.generate",
+    "generate_text": "jaxgen.api.text",
+    "KVCache": "jaxgen.cache",
+    "GenerationConfig": "jaxgen.config.generation",
+    "SynthIDTextWatermarkingConfig": "jaxgen.config.watermarking",
+    "WatermarkingConfig": "jaxgen.config.watermarking",
+    "GenerateOutput": "jaxgen.core.output",
+    "DecodeState": "jaxgen.core.state", "init_state": "jaxgen.core.state",
+    "WatermarkDetector": "jaxgen.logits.watermark.detect",
+    "SynthIDTextDetector": "jaxgen.logits.watermark.synthid_detect",
+    "ConfidenceCriteria": "jaxgen.stopping.criteria",
+    "EosTokenCriteria": "jaxgen.stopping.criteria",
+    "MaxLengthCriteria": "jaxgen.stopping.criteria",
+    "MaxTimeCriteria": "jaxgen.stopping.criteria",
+    "StoppingCriteriaList": "jaxgen.stopping.criteria",
+    "StopStringCriteria": "jaxgen.stopping.criteria",
+    "validate_stopping_criteria": "jaxgen.stopping.criteria",
+}
+_PACKAGES = ("api", "backends", "cache", "cli", "config", "constraints", "core", "drivers",
+             "logits", "loops", "models", "runtime", "speculative", "stopping", "storage", "train")
 
 __all__ = [
     "GenerationConfig", "DecodeState", "GenerateOutput", "KVCache", "init_state", "generate",
@@ -37,7 +46,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name == "models":  # imported lazily: the decoding core never needs a model family
-        import importlib
-        return importlib.import_module("jaxgen.models")
-    raise AttributeError(f"module 'jaxgen' has no attribute {name!r}")
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name in _PACKAGES:
+        value = importlib.import_module(f"jaxgen.{name}")
+    else:
+        raise AttributeError(f"module 'jaxgen' has no attribute {name!r}")
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_PUBLIC, *_PACKAGES})

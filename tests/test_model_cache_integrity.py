@@ -59,6 +59,13 @@ def _rewrite_manifest(folder, change) -> None:
         json.dump(manifest, f)
 
 
+@pytest.fixture(autouse=True)
+def _cache_log_reaches_caplog(monkeypatch):
+    """The CLI's CacheStats (another test in this process) stops this logger's records at the
+    logger; caplog listens at the root."""
+    monkeypatch.setattr(logging.getLogger("jaxgen.models.gguf_cache"), "propagate", True)
+
+
 def _assert_rebuilt(path, cache, build, calls, params, caplog):
     with caplog.at_level(logging.INFO, logger="jaxgen.models.gguf_cache"):
         model, loaded, tokenizer = load_cached(path, jnp.float32, cache, build)

@@ -1,4 +1,4 @@
 """`python -m jaxgen.cli`: the `jaxgen` command."""
-from jaxgen.cli.main import main
+from jaxgen.cli.launch import main
 
 raise SystemExit(main())

@@ -11,8 +11,6 @@ calls, and the only entry into this package.
                                                weights, the cache held as per-layer buffers
     finish(state)                              traced, at the end: the cache stacked back (the
                                                caller's form, so donated buffers alias)
-    register_native_targets()                  the kernels' FFI targets, before a stored
-                                               program that may call them is loaded
 
 Example:
     >>> import jaxgen
@@ -64,12 +62,4 @@ def finish(state):
     return state.replace(cache=to_stacked_layers(state.cache))
 
 
-def register_native_targets() -> None:
-    """Registers the few-row kernel's FFI target (building it once per machine)."""
-    from jaxgen.backends.cpu.kernels.build import ffi_target
-
-    ffi_target()
-
-
-__all__ = ["finish", "layout_pieces", "layout_plan", "prepare", "register_native_targets",
-           "with_layout"]
+__all__ = ["finish", "layout_pieces", "layout_plan", "prepare", "with_layout"]
