@@ -65,8 +65,10 @@ def check_state_context(state: DecodeState) -> None:
     """ContextTooLong when a row's prompt plus its budget passes the model's positions (a
     state built by hand; init_state checks its own). Traced states are not read."""
     positions = model_positions(state.model)
-    if positions is None or isinstance(state.prompt_len, jax.core.Tracer) \
-            or isinstance(state.max_new, jax.core.Tracer):
+    if positions is None or any(
+            isinstance(leaf, jax.core.Tracer)
+            or not getattr(leaf, "is_fully_addressable", True)  # another process holds rows
+            for leaf in (state.prompt_len, state.max_new)):
         return
     check_context(positions, np.asarray(state.prompt_len), np.asarray(state.max_new))
 
