@@ -68,7 +68,9 @@ def grow_before_chunks(log: list,
             st = grow(st, st.prompt_bucket)
         else:
             longest = int(np.max(jax.device_get(st.length)))
-            st = grow(st, longest + steps - 1)
+            # no row writes past its prompt plus its budget (the buffer may be a bucket longer)
+            last = int(np.max(jax.device_get(st.prompt_len + st.max_new)))
+            st = grow(st, min(longest + steps - 1, last))
         info = ChunkInfo(step=step, capacity=st.cache.max_len, cache_bytes=st.cache.nbytes(),
                          max_length=longest)
         log.append(info)
