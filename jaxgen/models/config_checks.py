@@ -158,6 +158,38 @@ def shape_origin(key: str, config, names: Mapping[str, str] | None = None) -> st
     return ", ".join(f"{names.get(f, f)}={getattr(config, f)}" for f in SHAPE_FIELDS.get(key, ()))
 
 
+def expected_tensor_shapes(config, shapes: Mapping, names: Mapping[str, str] | None,
+                           top: Mapping[str, str], layers: Mapping[str, tuple[str, bool]],
+                           prefix: str) -> tuple[dict, dict]:
+    """(tensor name -> the shape the config implies, tensor name -> the config numbers it
+    comes from) for a checkpoint's naming: `shapes` is llama.param_shapes(config), `top` maps
+    "embed" / "final_norm" / "lm_head" to tensor names, `layers` maps a layer key to (its
+    suffix, stored transposed), `prefix` is the layer prefix with "{i}" ("blk.{i}.").
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> cfg = SimpleNamespace(num_layers=1, vocab_size=4, hidden_size=2)
+        >>> expected_tensor_shapes(cfg, {"embed": (4, 2), "final_norm": (2,), "layers": {}},
+        ...                        None, {"embed": "e", "final_norm": "n", "lm_head": "h"},
+        ...                        {}, "l.{i}.")[0]
+        {'e': (4, 2), 'n': (2,), 'h': (4, 2)}
+    """
+    expected, origin = {}, {}
+
+    def expect(tensor: str, key: str, shape: tuple, transposed: bool) -> None:
+        expected[tensor] = tuple(reversed(shape)) if transposed else tuple(shape)
+        origin[tensor] = shape_origin(key, config, names)
+
+    expect(top["embed"], "embed", shapes["embed"], False)
+    expect(top["final_norm"], "final_norm", shapes["final_norm"], False)
+    expect(top["lm_head"], "lm_head", shapes["embed"], False)  # [V, D] as stored
+    for key, shape in shapes["layers"].items():
+        suffix, transposed = layers[key]
+        for i in range(config.num_layers):
+            expect(prefix.format(i=i) + suffix, key, shape[1:], transposed)
+    return expected, origin
+
+
 def check_tensor_shapes(expected: Mapping[str, tuple], actual: Mapping[str, tuple],
                         fields: Mapping[str, str], where: str = "") -> None:
     """ValueError naming the first tensor whose stored shape (`actual`, from the file's

@@ -40,7 +40,7 @@ from jaxgen.models.config_checks import (
     check_layer_count,
     check_llama_numbers,
     check_tensor_shapes,
-    shape_origin,
+    expected_tensor_shapes,
 )
 from jaxgen.models.llama import Llama, LlamaConfig, checked_params, param_shapes
 
@@ -179,20 +179,10 @@ def check_against_tensors(config: LlamaConfig, tensors: dict, path: str = "<gguf
     names = gguf_names(arch)
     indices = {int(m.group(1)) for m in map(_BLOCK_INDEX.match, tensors) if m}
     check_layer_count(indices, names["num_layers"], config.num_layers, "blk.{i}.", path)
-    shapes = param_shapes(config)
-    expected, origin = {}, {}
-
-    def expect(tensor: str, key: str, shape: tuple, is_matrix: bool) -> None:
-        expected[tensor] = tuple(reversed(shape)) if is_matrix else tuple(shape)
-        origin[tensor] = shape_origin(key, config, names)
-
-    expect("token_embd.weight", "embed", shapes["embed"], False)
-    expect("output_norm.weight", "final_norm", shapes["final_norm"], False)
-    expect("output.weight", "lm_head", shapes["embed"], False)  # [V, D] in numpy order
-    for key, shape in shapes["layers"].items():
-        suffix, is_matrix = _LAYER_NAMES[key]
-        for i in range(config.num_layers):
-            expect(f"blk.{i}.{suffix}", key, shape[1:], is_matrix)
+    expected, origin = expected_tensor_shapes(
+        config, param_shapes(config), names,
+        {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
+         "lm_head": "output.weight"}, _LAYER_NAMES, "blk.{i}.")
     stored = {name: tuple(int(d) for d in reversed(tensors[name].shape))
               for name in expected if name in tensors}
     check_tensor_shapes(expected, stored, origin, path)

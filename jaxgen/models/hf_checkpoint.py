@@ -37,7 +37,7 @@ from jaxgen.models.checkpoint_checks import (
 from jaxgen.models.config_checks import (
     check_layer_count,
     check_tensor_shapes,
-    shape_origin,
+    expected_tensor_shapes,
 )
 from jaxgen.models.llama import (
     HF_NAMES,
@@ -142,20 +142,10 @@ def check_against_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray]
     needed = config.num_layers + config.num_mtp_layers
     name = "num_hidden_layers" + (" + num_mtp_layers" if config.num_mtp_layers else "")
     check_layer_count(indices, name, needed, "model.layers.{i}.", where)
-    shapes = param_shapes(config)
-    expected, origin = {}, {}
-
-    def expect(tensor: str, key: str, shape: tuple, transpose: bool) -> None:
-        expected[tensor] = tuple(reversed(shape)) if transpose else tuple(shape)
-        origin[tensor] = shape_origin(key, config, HF_NAMES)
-
-    expect("model.embed_tokens.weight", "embed", shapes["embed"], False)
-    expect("model.norm.weight", "final_norm", shapes["final_norm"], False)
-    expect("lm_head.weight", "lm_head", shapes["embed"], False)  # [V, D] as stored
-    for key, shape in shapes["layers"].items():
-        suffix, transpose = _LAYER_NAMES[key]
-        for i in range(config.num_layers):
-            expect(f"model.layers.{i}.{suffix}", key, shape[1:], transpose)
+    expected, origin = expected_tensor_shapes(
+        config, param_shapes(config), HF_NAMES,
+        {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+         "lm_head": "lm_head.weight"}, _LAYER_NAMES, "model.layers.{i}.")
     stored = {n: _stored_shape(tensors, n) for n in expected if n in tensors}
     check_tensor_shapes(expected, stored, origin, where)
 
