@@ -158,3 +158,29 @@ def test_a_fresh_process_runs_stored_programs_that_call_the_native_kernel(tmp_pa
     assert again["tokens"] == first["tokens"]
     targets = _native_targets(folder)
     assert targets["run_donated"] == ["jaxgen_few_rows"] and targets["layout_pieces"] == []
+
+
+_THROUGH_XLA_CACHE = """
+import sys, jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jaxgen.runtime.executable_format import compile_fresh, describe, rebuild
+args = (jnp.arange(5.0),)
+program = compile_fresh(jax.jit(lambda x: jnp.cumsum(x * 3.0)).lower(*args))
+header, executable = describe(program, args)
+print(rebuild(header, executable, args)(*args).tolist())
+"""
+
+
+def test_programs_are_stored_from_the_compiler_even_when_jaxs_cache_holds_them(tmp_path):
+    # XLA:CPU does not serialize a program read back from JAX's persistent cache whole (its
+    # bytes name functions they do not hold): the second process finds the program there, and
+    # what it stores must still run
+    runs = [subprocess.run([sys.executable, "-c", _THROUGH_XLA_CACHE, str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+            for _ in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[-1].stderr[-2000:]
+    assert any(tmp_path.iterdir())  # the first process did fill JAX's cache
+    assert [run.stdout.strip().splitlines()[-1] for run in runs] == [
+        "[0.0, 3.0, 9.0, 18.0, 30.0]"] * 2

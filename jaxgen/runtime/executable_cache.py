@@ -66,7 +66,7 @@ import warnings
 import jax
 
 from jaxgen.runtime import backend
-from jaxgen.runtime.executable_format import Uncacheable, describe, rebuild
+from jaxgen.runtime.executable_format import Uncacheable, compile_fresh, describe, rebuild
 from jaxgen.storage.keyed_hash import TAG_BYTES, sign, user_key, verify
 from jaxgen.storage.private import (
     private_folder_or_fallback,
@@ -297,8 +297,7 @@ class ExecutableStore:
 
     def _compile_and_write(self, name: str, jitted, args: tuple, statics: dict, key: str):
         lowered = jitted.lower(*args, **statics)
-        with _past_persistent_cache():
-            program = lowered.compile()
+        program = compile_fresh(lowered)
         self._remember(key, program)
         try:
             header, executable = describe(program, args)
@@ -356,23 +355,6 @@ def open_entry(blob: bytes, secret: bytes, key: str) -> tuple[dict, bytes]:
     if not isinstance(header, dict) or header.get("key") != key:
         raise ValueError("the entry holds another key")
     return header, body[8 + size:]
-
-
-@contextlib.contextmanager
-def _past_persistent_cache():
-    """JAX's persistent compilation cache off for one compile (and back on after)."""
-    if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
-        yield
-        return
-    from jax.experimental.compilation_cache.compilation_cache import reset_cache
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        reset_cache()
 
 
 __all__ = ["ExecutableStore", "Uncacheable", "call", "disable", "enable", "environment",

@@ -1,7 +1,9 @@
 """A compiled single-device program as XLA's own executable bytes plus a JSON header: what
 the executable cache stores, with nothing that is unpickled on reading.
 
-`describe(program, args)` takes a `jax.stages.Compiled` apart: XLA's serialized executable
+`compile_fresh(lowered)` compiles past JAX's persistent compilation cache: XLA:CPU does not
+serialize a program read back from that cache whole (it runs, its bytes do not). `describe(program,
+args)` takes a `jax.stages.Compiled` apart: XLA's serialized executable
 (`client.serialize_executable`) and a header of plain values: the input and output avals
 (shape, dtype, weak type), which inputs are donated and which were kept, the memory kinds and
 layouts, the debug names, and the output tree (jaxgen.runtime.tree_codec). Anything it cannot
@@ -17,7 +19,7 @@ jax's version in the key pins.
 Example:
     >>> import jax.numpy as jnp
     >>> args = (jnp.arange(3.0),)
-    >>> program = jax.jit(lambda x: {"y": x * 2}).lower(*args).compile()
+    >>> program = compile_fresh(jax.jit(lambda x: {"y": x * 2}).lower(*args))
     >>> header, executable = describe(program, args)
     >>> header["out_avals"]
     [[[3], 'float32', False]]
@@ -95,6 +97,22 @@ def _memory_kinds(shardings, device) -> list:
             raise Uncacheable(f"a sharding of its own: {sharding}")
         kinds.append(sharding.memory_kind)
     return kinds
+
+
+def compile_fresh(lowered):
+    """`lowered.compile()` with JAX's persistent compilation cache off for this one compile (and
+    back on after): the program `describe` takes apart must come from the compiler."""
+    if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+        return lowered.compile()
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        reset_cache()
 
 
 def describe(program, args: tuple) -> tuple[dict, bytes]:
