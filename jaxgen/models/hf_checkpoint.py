@@ -87,6 +87,16 @@ def _read_json(path: str, required: bool = True) -> dict | None:
         raise ValueError(f"{path}: invalid JSON ({err})") from None
 
 
+def read_model_type(folder: str) -> str | None:
+    """config.json's `model_type` (None when absent): which family's loader reads the folder.
+    A missing folder or config.json, or invalid JSON, raises as `load_hf_config` does."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+    config = _read_json(os.path.join(folder, "config.json"))
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None
+
+
 def load_hf_config(folder: str) -> LlamaConfig:
     """LlamaConfig from `config.json` (+ `generation_config.json` when present)."""
     if not os.path.isdir(folder):

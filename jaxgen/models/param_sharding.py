@@ -19,6 +19,10 @@ mesh's "model" axis; every other dimension is whole, and parameters are replicat
     norms, biases of the output, and anything else (e.g. drafter sub-trees this module does
     not know)                                replicated
 
+Another family states its own layer rules as `model.sharding_rules` ({name: dimension from
+the end}, merged over the rules above: e.g. MoE experts [L, E, D, F] on "model" by expert)
+and its divisibility checks as `model.check_mesh_fits(mesh)` (a ValueError naming the size).
+
 The rules count dimensions from the end, so the stacked layout ([L, ...] arrays) and the
 unstacked one (`unstack_layers`: a list of per-layer dicts) shard alike. With the batch on
 "data" and the KV cache on "model" (`jaxgen.init_state(..., mesh=mesh)`), `jaxgen.generate`
@@ -87,11 +91,16 @@ def param_shardings(model, params, mesh, *, head: str = "auto"):
     """
     mesh = check_mesh(mesh)
     config = getattr(model, "config", None)
-    if not all(hasattr(config, name) for name in ("num_heads", "num_kv_heads",
-                                                   "intermediate_size", "vocab_size")):
+    family_check = getattr(model, "check_mesh_fits", None)  # a family's own divisibility rules
+    if family_check is not None:
+        family_check(mesh)
+    elif not all(hasattr(config, name) for name in ("num_heads", "num_kv_heads",
+                                                     "intermediate_size", "vocab_size")):
         raise ValueError(f"shard() lays out the Llama family's parameters; "
                          f"{type(model).__name__} has no Llama config")
-    check_model_fits(config, mesh)
+    else:
+        check_model_fits(config, mesh)
+    rules = {**LAYER_RULES, **dict(getattr(model, "sharding_rules", {}))}
     vocab = _vocab_parallel(config, mesh, head)
     model_devices = axis_size(mesh, MODEL)
 
@@ -102,7 +111,7 @@ def param_shardings(model, params, mesh, *, head: str = "auto"):
         return lambda value: jax.tree_util.tree_map(one, value)  # Int8Matrix / BlockMatrix too
 
     def layer(tree: Mapping):
-        return {name: place(LAYER_RULES.get(name))(array) for name, array in tree.items()}
+        return {name: place(rules.get(name))(array) for name, array in tree.items()}
 
     def adapter(tree: Mapping):
         width = tree["w_in"].shape[-1] if "w_in" in tree else 0

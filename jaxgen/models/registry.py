@@ -33,7 +33,7 @@ from jaxgen.models.gguf_blocks import block_params
 from jaxgen.models.gguf_cache import load_cached
 from jaxgen.models.gguf_checkpoint import field, gguf_model, open_gguf
 from jaxgen.models.gguf_tokenizer import gguf_tokenizer
-from jaxgen.models.hf_checkpoint import load_hf
+from jaxgen.models.hf_checkpoint import load_hf, read_model_type
 from jaxgen.models.llama import Llama
 from jaxgen.models.mtp_drafter import MtpDrafterModel, drafter_with_draft_head
 from jaxgen.models.mtp_drafter_io import is_mtp_drafter_folder, load_mtp_drafter
@@ -51,6 +51,10 @@ from jaxgen.models.tokenizer import Tokenizer
 from jaxgen.models.vocab_sizes import warn_if_model_vocab_larger
 
 KNOWN_MODELS = tuple(EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME)
+
+# config.json's model_type -> the loader of that family's HF folders:
+# loader(folder, dtype) -> (model, params, tokenizer or None). Other types: the Llama family.
+HF_FAMILY_LOADERS: dict = {}
 
 
 def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None
@@ -150,7 +154,8 @@ def _load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     if os.path.isdir(name):
         if is_mtp_drafter_folder(name):  # an assistant: assistant_model=(drafter, params)
             return (*load_mtp_drafter(name, dtype), None)
-        return load_hf(name, dtype)
+        family_loader = HF_FAMILY_LOADERS.get(read_model_type(name))
+        return (family_loader or load_hf)(name, dtype)
     if os.path.isfile(name):
         if name.lower().endswith(".gguf"):
             return load_gguf(name, dtype, cache_dir)
