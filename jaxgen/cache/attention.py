@@ -23,6 +23,10 @@ key j sits at position j (`ordered`) runs QUERY_BLOCK queries at a time, each bl
 the key chunks between its sliding window's edge and its last query position, with an online
 softmax: the causal half of the products is skipped and each block's scores stay in cache.
 
+Soft-capping (Gemma 2's attn_logit_softcapping, `softcap`): the scaled scores pass through
+softcap * tanh(score / softcap) before the mask and the softmax; without it the kernel is
+unchanged.
+
 Visibility of key j (at absolute position pos[j]) to a query at position p, with
 age = p - pos[j]:
 
@@ -148,10 +152,14 @@ def _values(weights: jax.Array, block: KeyBlock, out_dtype) -> jax.Array:
 
 
 def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBlock], *,
-                  scale: float, window: int | None = None) -> jax.Array:
+                  scale: float, window: int | None = None,
+                  softcap: float | None = None) -> jax.Array:
     """Grouped-query attention of q [B, S, H, Dh] over the union of `blocks`.
 
-    q_positions: int32 [B, S]. Returns [B, S, H, Dh] in q's dtype. Softmax in fp32 over
+    q_positions: int32 [B, S]. window: the layer's sliding window (an int, or an int32
+    scalar that may be traced; None: no window). softcap: attention logit soft-capping
+    (Gemma 2): scaled scores become softcap * tanh(scores / softcap) before the mask (None:
+    the scores as they are). Returns [B, S, H, Dh] in q's dtype. Softmax in fp32 over
     every block's keys at once. An int8 block of at least 2 * KEY_CHUNK keys is read
     KEY_CHUNK keys per step of a loop (online softmax: each chunk's partial softmax merged
     into a running one), so its codes are widened to float one cache-resident chunk at a time
@@ -159,16 +167,16 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     """
     batch, seq, num_heads, head_dim = q.shape
     if len(blocks) == 1 and _skips_chunks(blocks[0], seq):
-        return _attend_query_blocks(q, q_positions, blocks[0], scale, window)
+        return _attend_query_blocks(q, q_positions, blocks[0], scale, window, softcap)
     num_kv_heads = blocks[0].num_kv_heads
     group = num_heads // num_kv_heads
     q_grouped = q.reshape(batch, seq, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, Dh]
     q_rows = jnp.transpose(q_grouped, (0, 2, 3, 1, 4)).reshape(
         batch, num_kv_heads, group * seq, head_dim)  # [B, Hkv, G*S, Dh]
     if any(_is_chunked(block) for block in blocks):
-        out = _attend_partials(q_rows, q_positions, blocks, scale, window, group)
+        out = _attend_partials(q_rows, q_positions, blocks, scale, window, group, softcap)
     else:
-        out = _attend_whole(q_rows, q_positions, blocks, scale, window, group)
+        out = _attend_whole(q_rows, q_positions, blocks, scale, window, group, softcap)
     out = out.reshape(batch, num_kv_heads, group, seq, head_dim)  # [B, Hkv, G, S, Dh]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, num_heads, head_dim
                                                        ).astype(q.dtype)
@@ -191,7 +199,8 @@ def _skips_chunks(block: KeyBlock, seq: int) -> bool:
             and seq >= CAUSAL_MIN_QUERIES)
 
 
-def _attend_query_blocks(q, q_positions, block: KeyBlock, scale: float, window) -> jax.Array:
+def _attend_query_blocks(q, q_positions, block: KeyBlock, scale: float, window,
+                         softcap: float | None = None) -> jax.Array:
     """`attend_blocks` of an ordered dense block, QUERY_BLOCK query positions at a time (a
     `lax.map`); each block runs an online softmax over the CAUSAL_KEY_CHUNK-key chunks
     between its lowest visible key (a sliding window's edge, else 0) and its highest query
@@ -221,7 +230,7 @@ def _attend_query_blocks(q, q_positions, block: KeyBlock, scale: float, window) 
             begin = jnp.minimum(index * chunk, num_keys - chunk)
             part = _key_slice(block, begin, fresh_from=index * chunk, size=chunk)
             return _merge_two(carry, _partial(block_rows, block_positions, part, scale,
-                                              window, group))
+                                              window, group, softcap))
 
         _, total, acc = jax.lax.fori_loop(start, stop, step,
                                           _empty_partial(block_rows.shape))
@@ -259,21 +268,26 @@ def _out_of_block_basis(out: jax.Array, block: KeyBlock) -> jax.Array:
     return out if block.rotation is None else out @ block.rotation.T
 
 
-def _masked_scores(rows, q_positions, block: KeyBlock, scale: float, window, group: int):
-    """Scaled scores [B, Hkv, R, Tk] of rows already in the block's basis, -inf where a key
-    is invisible to the query position of that row (R = G*S, group-major)."""
+def _masked_scores(rows, q_positions, block: KeyBlock, scale: float, window, group: int,
+                   softcap: float | None = None):
+    """Scaled (and soft-capped, when softcap is set) scores [B, Hkv, R, Tk] of rows already
+    in the block's basis, -inf where a key is invisible to the query position of that row
+    (R = G*S, group-major)."""
     batch, _, rows_count, _ = rows.shape
     scores = _scores(rows, block) * scale  # [B, Hkv, R, Tk]
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)  # [B, Hkv, R, Tk]
     visible = _visible(block, q_positions, window)  # [B, S, Tk]
     visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
     visible = visible.reshape(batch, 1, rows_count, -1)  # [B, 1, R, Tk]
     return jnp.where(visible, scores, -jnp.inf)
 
 
-def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int) -> jax.Array:
+def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int,
+                  softcap: float | None = None) -> jax.Array:
     """Every block's scores at once, one softmax, then the values: [B, Hkv, R, Dh] f32."""
     parts = [_masked_scores(_in_block_basis(q_rows, block), q_positions, block, scale, window,
-                            group) for block in blocks]  # each [B, Hkv, R, Tk]
+                            group, softcap) for block in blocks]  # each [B, Hkv, R, Tk]
     scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)  # [B,Hkv,R,ΣTk]
     weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, ΣTk]
     out = None
@@ -287,29 +301,33 @@ def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int)
     return out
 
 
-def _attend_partials(q_rows, q_positions, blocks, scale: float, window, group: int):
+def _attend_partials(q_rows, q_positions, blocks, scale: float, window, group: int,
+                     softcap: float | None = None):
     """Each block's partial softmax (long quantized blocks chunk by chunk), merged:
     [B, Hkv, R, Dh] f32."""
     partials = []
     for block in blocks:
         chunked = _chunked_partial if _is_chunked(block) else _partial
         high, total, acc = chunked(_in_block_basis(q_rows, block), q_positions, block, scale,
-                                   window, group)
+                                   window, group, softcap)
         partials.append((high, total, _out_of_block_basis(acc, block)))
     return _merge(partials)
 
 
-def _partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int):
+def _partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int,
+             softcap: float | None = None):
     """One block's partial softmax: (max [B, Hkv, R, 1], sum of weights [B, Hkv, R, 1],
     weighted values [B, Hkv, R, Dh]), all float32, relative to that max (R = G*S)."""
-    scores = _masked_scores(rows, q_positions, block, scale, window, group)  # [B, Hkv, R, Tk]
+    scores = _masked_scores(rows, q_positions, block, scale, window, group,
+                            softcap)  # [B, Hkv, R, Tk]
     high = jnp.max(scores, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
     weights = jnp.exp(scores - _finite(high))  # [B, Hkv, R, Tk] (0 where invisible)
     total = jnp.sum(weights, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
     return high, total, _values(weights, block, rows.dtype)
 
 
-def _chunked_partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int):
+def _chunked_partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int,
+                     softcap: float | None = None):
     """`_partial` of a long block, KEY_CHUNK keys per step of a loop (online softmax). The
     last chunk starts at Tk - KEY_CHUNK; keys an earlier chunk already counted are masked."""
     count = -(-block.num_keys // KEY_CHUNK)
@@ -317,7 +335,8 @@ def _chunked_partial(rows, q_positions, block: KeyBlock, scale: float, window, g
     def step(index, carry):
         begin = jnp.minimum(index * KEY_CHUNK, block.num_keys - KEY_CHUNK)
         part = _key_slice(block, begin, fresh_from=index * KEY_CHUNK, size=KEY_CHUNK)
-        return _merge_two(carry, _partial(rows, q_positions, part, scale, window, group))
+        return _merge_two(carry, _partial(rows, q_positions, part, scale, window, group,
+                                          softcap))
 
     return jax.lax.fori_loop(0, count, step, _empty_partial(rows.shape))
 

@@ -84,22 +84,26 @@ class KVCache:
         return dataclasses.replace(self, k=k, v=v)
 
     def attend(self, layer, q: jax.Array, q_positions: jax.Array, *,
-               scale: float, window: int | None = None) -> jax.Array:
+               scale: float, window: int | None = None,
+               softcap: float | None = None) -> jax.Array:
         """Attention of queries over this layer's cache.
 
         q: [B, S, H, Dh]; q_positions: int32 [B, S]. Returns [B, S, H, Dh] in q's dtype.
         window: the model's sliding window (keys at j <= p - window are invisible).
+        softcap: attention logit soft-capping (jaxgen.cache.attention; None: none).
         """
         k_layer = self.k[layer]  # [B, Hkv, T, Dh]
         v_layer = self.v[layer]  # [B, Hkv, T, Dh]
-        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window)
+        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window,
+                            softcap=softcap)
 
     def update_attend(self, layer, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                      positions: jax.Array, *, scale: float, window: int | None = None
-                      ) -> tuple[jax.Array, "KVCache"]:
+                      positions: jax.Array, *, scale: float, window: int | None = None,
+                      softcap: float | None = None) -> tuple[jax.Array, "KVCache"]:
         """Writes the new K/V, then attends (queries at `positions`). Returns (out, cache)."""
         cache = self.update(layer, k_new, v_new, positions)
-        return cache.attend(layer, q, positions, scale=scale, window=window), cache
+        return cache.attend(layer, q, positions, scale=scale, window=window,
+                            softcap=softcap), cache
 
     def with_length(self, length: jax.Array) -> "KVCache":
         return dataclasses.replace(self, length=length.astype(jnp.int32))
@@ -131,7 +135,8 @@ class DynamicKVCache(KVCache):
 
 
 def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
-                 scale: float, window: int | None = None) -> jax.Array:
+                 scale: float, window: int | None = None,
+                 softcap: float | None = None) -> jax.Array:
     """Grouped-query attention with the causal-by-position mask.
 
     q: [B, S, H, Dh]; k, v: [B, Hkv, T, Dh] (heads-major); q_positions: int32 [B, S].
@@ -140,4 +145,4 @@ def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Arra
     """
     block = KeyBlock(k=k, v=v, positions=jnp.arange(k.shape[2], dtype=jnp.int32),
                      ordered=True)
-    return attend_blocks(q, q_positions, [block], scale=scale, window=window)
+    return attend_blocks(q, q_positions, [block], scale=scale, window=window, softcap=softcap)

@@ -244,24 +244,26 @@ class QuantizedKVCache:
         j = jnp.arange(self.max_len, dtype=jnp.int32)  # [T]
         return jnp.take(rpos, j % rpos.shape[1], axis=1) == j[None]  # [B, T]
 
-    def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None):
+    def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None,
+               softcap: float | None = None):
         """Attention over this layer: int8 codes for old keys, the ring for recent ones."""
         if self.rk is None:
             return attend_blocks(q, q_positions, [self._codes_block(layer)], scale=scale,
-                                 window=window)
+                                 window=window, softcap=softcap)
         codes = self._codes_block(layer, bypass=~self._in_ring(layer))
         ring = KeyBlock(k=self.rk[layer], v=self.rv[layer], positions=self.rpos[layer],
                         max_age=self.residual_length)
-        return attend_blocks(q, q_positions, [codes, ring], scale=scale, window=window)
+        return attend_blocks(q, q_positions, [codes, ring], scale=scale, window=window,
+                             softcap=softcap)
 
     def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
-                      window: int | None = None):
+                      window: int | None = None, softcap: float | None = None):
         """Writes the codes, attends (the chunk's recent keys in full precision), then
         writes the residual ring. Returns (out, cache)."""
         cache = self._write_codes(layer, k_new, v_new, positions)
         if cache.rk is None:
             out = attend_blocks(q, positions, [cache._codes_block(layer)], scale=scale,
-                                window=window)
+                                window=window, softcap=softcap)
             return out, cache
         start, last = positions[:, :1], positions[:, -1:]  # [B, 1]
         j = jnp.arange(cache.max_len, dtype=jnp.int32)[None]  # [1, T]
@@ -273,7 +275,7 @@ class QuantizedKVCache:
                            valid=rpos < start, max_age=cache.residual_length),
                   KeyBlock(k=heads_major(k_new), v=heads_major(v_new), positions=positions,
                            max_age=cache.residual_length)]
-        out = attend_blocks(q, positions, blocks, scale=scale, window=window)
+        out = attend_blocks(q, positions, blocks, scale=scale, window=window, softcap=softcap)
         return out, cache._write_ring(layer, k_new, v_new, positions)
 
     # ------------------------------------------------------------------ length

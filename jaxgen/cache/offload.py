@@ -97,16 +97,19 @@ class OffloadedKVCache(KVCache):
         k_layer, v_layer = self._write(*self._layer_in(layer), k_new, v_new, positions)
         return self._layer_out(layer, k_layer, v_layer)
 
-    def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None):
+    def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None,
+               softcap: float | None = None):
         k_layer, v_layer = self._layer_in(layer)
-        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window)
+        return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window,
+                            softcap=softcap)
 
     def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
-                      window: int | None = None):
+                      window: int | None = None, softcap: float | None = None):
         """One move in, write + attend on device, one move out."""
         if self.memory_kind is None:
             return super().update_attend(layer, q, k_new, v_new, positions, scale=scale,
-                                         window=window)
+                                         window=window, softcap=softcap)
         k_layer, v_layer = self._write(*self._layer_in(layer), k_new, v_new, positions)
-        out = attend_dense(q, k_layer, v_layer, positions, scale=scale, window=window)
+        out = attend_dense(q, k_layer, v_layer, positions, scale=scale, window=window,
+                           softcap=softcap)
         return out, self._layer_out(layer, k_layer, v_layer)

@@ -75,13 +75,14 @@ class Cache(Protocol):
         ...
 
     def attend(self, layer, q: jax.Array, q_positions: jax.Array, *, scale: float,
-               window: int | None = None) -> jax.Array:
-        """Attention of q over one layer's cached keys. Returns [B, S, H, Dh] in q's dtype."""
+               window: int | None = None, softcap: float | None = None) -> jax.Array:
+        """Attention of q over one layer's cached keys. Returns [B, S, H, Dh] in q's dtype.
+        softcap: attention logit soft-capping (Gemma 2), None for none."""
         ...
 
     def update_attend(self, layer, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                      positions: jax.Array, *, scale: float, window: int | None = None
-                      ) -> tuple[jax.Array, Cache]:
+                      positions: jax.Array, *, scale: float, window: int | None = None,
+                      softcap: float | None = None) -> tuple[jax.Array, Cache]:
         """Writes the new K/V and attends with queries at `positions`; returns (out, cache).
 
         What models call. Kinds whose storage is smaller than the chunk being written (the

@@ -107,12 +107,14 @@ class SlidingWindowCache:
         k, v, pos = ring_write(self.k, self.v, self.pos, layer, k_new, v_new, positions)
         return dataclasses.replace(self, k=k, v=v, pos=pos)
 
-    def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None):
+    def attend(self, layer, q, q_positions, *, scale: float, window: int | None = None,
+               softcap: float | None = None):
         block = KeyBlock(k=self.k[layer], v=self.v[layer], positions=self.pos[layer])
-        return attend_blocks(q, q_positions, [block], scale=scale, window=self._window(window))
+        return attend_blocks(q, q_positions, [block], scale=scale, window=self._window(window),
+                             softcap=softcap)
 
     def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float,
-                      window: int | None = None):
+                      window: int | None = None, softcap: float | None = None):
         """Write + attend. A chunk of n <= S - W + 1 tokens (decode steps, verify blocks within
         the slack) only overwrites positions older than every query's window, and a ring of
         S < W slots (capped by a buffer shorter than the window) never wraps: then the chunk is
@@ -122,12 +124,14 @@ class SlidingWindowCache:
         slots = self.max_len
         if positions.shape[1] <= slots - self.window + 1 or slots < self.window:
             cache = self.update(layer, k_new, v_new, positions)
-            return cache.attend(layer, q, positions, scale=scale, window=window), cache
+            return cache.attend(layer, q, positions, scale=scale, window=window,
+                                softcap=softcap), cache
         pos_layer = self.pos[layer]  # [B, S]
         old = KeyBlock(k=self.k[layer], v=self.v[layer], positions=pos_layer,
                        valid=pos_layer < positions[:, :1])
         new = KeyBlock(k=heads_major(k_new), v=heads_major(v_new), positions=positions)
-        out = attend_blocks(q, positions, [old, new], scale=scale, window=self._window(window))
+        out = attend_blocks(q, positions, [old, new], scale=scale, window=self._window(window),
+                            softcap=softcap)
         return out, self.update(layer, k_new, v_new, positions)
 
     def with_length(self, length: jax.Array) -> "SlidingWindowCache":

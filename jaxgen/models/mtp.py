@@ -1,5 +1,12 @@
-"""A checkpoint's multi-token-prediction (MTP) layers (DeepSeek-V3, GLM-4.5, ...) for the Llama
-family: the math of one depth, random weights, and the depths' KV cache.
+"""A checkpoint's multi-token-prediction (MTP) layers (DeepSeek-V3, GLM-4.5, ...): the math of
+one depth, random weights, and the depths' KV cache.
+
+Written for the Llama family and reused by any family whose model offers the same hooks: a
+decoder block `model._block(p, index, x, cos, sin, positions, cache)`, its RoPE tables
+`model.rope_tables(positions, dtype)` (absent: Llama's full-width RoPE from the config) and
+the shapes of one depth's block `model.mtp_block_shapes()` ({key: (1, ...)}; absent: one
+layer of `model.init_params`' "layers"), plus config.num_mtp_layers, hidden_size,
+num_kv_heads, head_dim, rms_norm_eps, tie_word_embeddings and params' "final_norm".
 
 Depth k (0 <= k < D) at position q, as transformers' `MtpModel` computes it:
 
@@ -39,10 +46,31 @@ from jaxgen.models import rope as rope_lib
 from jaxgen.models.mtp_layout import mtp_shapes
 from jaxgen.models.norms import rms_norm
 
-__all__ = ["MtpLayers", "init_mtp_params", "mtp_cache", "mtp_depth", "shared_head",
-           "target_normed", "teacher_forced_logits", "with_mtp"]
+__all__ = ["MtpLayers", "block_shapes", "init_mtp_params", "mtp_cache", "mtp_depth",
+           "rope_tables", "shared_head", "target_normed", "teacher_forced_logits", "with_mtp"]
 
-Llama = Any  # models.llama.Llama (imports this module: not imported here)
+Llama = Any  # models.llama.Llama (imports this module: not imported here), or another family
+
+
+def block_shapes(model: Llama) -> dict:
+    """One depth's decoder-block shapes {key: (n, ...)} (the leading axis is replaced by the
+    depth count): the model's `mtp_block_shapes()`, else its stacked "layers" shapes."""
+    own = getattr(model, "mtp_block_shapes", None)
+    if own is not None:
+        return own()
+    return jax.tree_util.tree_map(
+        lambda a: tuple(a.shape), jax.eval_shape(model.init_params, jax.random.key(0))["layers"])
+
+
+def rope_tables(model: Llama, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin for `positions` [B, S] as the model's block expects them: the model's own
+    `rope_tables`, else Llama's full-width RoPE from the config."""
+    own = getattr(model, "rope_tables", None)
+    if own is not None:
+        return own(positions, dtype)
+    config = model.config
+    return rope_lib.cos_sin(positions, config.head_dim, config.rope_theta, config.rope_scaling,
+                            config.max_position_embeddings, dtype)  # [B, S, Dh] each
 
 
 def init_mtp_params(model: Llama, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -50,9 +78,7 @@ def init_mtp_params(model: Llama, key: jax.Array, dtype=jnp.float32) -> dict:
     config = model.config
     if config.num_mtp_layers < 1:
         raise ValueError("init_mtp_params needs a config with num_mtp_layers >= 1")
-    layer_shapes = jax.tree_util.tree_map(
-        lambda a: tuple(a.shape), jax.eval_shape(model.init_params, jax.random.key(0))["layers"])
-    shapes = mtp_shapes(config, layer_shapes)
+    shapes = mtp_shapes(config, block_shapes(model))
     flat, tree = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
@@ -108,9 +134,7 @@ def mtp_depth(model: Llama, params: dict, depth: int, tokens: jax.Array, previou
     embedded = rms_norm(model.embed(params, tokens), weights["enorm"][depth], eps)  # [B, S, H]
     chained = rms_norm(previous.astype(embedded.dtype), weights["hnorm"][depth], eps)  # [B, S, H]
     x = jnp.concatenate([embedded, chained], axis=-1) @ weights["eh_proj"][depth]  # [B, S, H]
-    cos, sin = rope_lib.cos_sin(positions, config.head_dim, config.rope_theta,
-                                config.rope_scaling, config.max_position_embeddings,
-                                x.dtype)  # [B, S, Dh] each
+    cos, sin = rope_tables(model, positions, x.dtype)  # [B, S, Dh] each
     block = {key: value[depth] for key, value in weights["layers"].items()}
     x, cache = model._block(block, jnp.int32(depth), x, cos, sin, slots, cache)  # [B, S, H]
     return rms_norm(x, weights["norm"][depth], eps), cache

@@ -41,7 +41,8 @@ def _depth_names(config, depth: int, layer_keys) -> dict:
 
 
 def read_mtp_tensors(config, fetch: Callable[[str], np.ndarray | None], names: set[str],
-                     used: set[str], layer_shapes: dict, where: str = "") -> dict:
+                     used: set[str], layer_shapes: dict, where: str = "",
+                     read_block: Callable[[str], dict] | None = None) -> dict:
     """params["mtp"] (host arrays, stacked over depths) from a checkpoint's tensors.
 
     fetch(name): the array, or None after recording the name as missing (the loader's);
@@ -49,8 +50,12 @@ def read_mtp_tensors(config, fetch: Callable[[str], np.ndarray | None], names: s
     (the per-depth copies of the shared head / embeddings are marked used, not loaded);
     layer_shapes: the model's stacked decoder-layer shapes {key: (L, ...)}. A tensor of the
     wrong shape is a ValueError naming it (where: the folder, for the message).
+    read_block(prefix): a family's reader of one decoder block under `prefix`
+    ("model.layers.{N}.") -> {key: array or None}, for blocks whose tensors are not the Llama
+    names one to one (GLM-4.5's MoE experts); None: the Llama names (hf_export.HF_LAYER_NAMES).
     """
-    depths = [_depth_names(config, k, layer_shapes) for k in range(config.num_mtp_layers)]
+    block_keys = layer_shapes if read_block is None else ()  # else: read_block names them
+    depths = [_depth_names(config, k, block_keys) for k in range(config.num_mtp_layers)]
     shapes = mtp_shapes(config, layer_shapes)
 
     def stacked(pick, shape):
@@ -70,14 +75,34 @@ def read_mtp_tensors(config, fetch: Callable[[str], np.ndarray | None], names: s
 
     mtp = {key: stacked(lambda d, key=key: d[key], shapes[key])
            for key in depths[0] if key != "layers"}
-    mtp["layers"] = {key: stacked(lambda d, key=key: d["layers"][key], shapes["layers"][key])
-                     for key in layer_shapes}
+    if read_block is None:
+        mtp["layers"] = {key: stacked(lambda d, key=key: d["layers"][key],
+                                      shapes["layers"][key]) for key in layer_shapes}
+    else:
+        blocks = [read_block(f"model.layers.{config.num_layers + k}.")
+                  for k in range(config.num_mtp_layers)]
+        mtp["layers"] = {key: _stack_blocks(blocks, key, shapes["layers"][key], where)
+                         for key in layer_shapes}
     for depth in range(config.num_mtp_layers):
         for copy in MTP_SHARED_COPIES:
             name = f"model.layers.{config.num_layers + depth}.{copy}"
             if name in names:
                 used.add(name)
     return mtp
+
+
+def _stack_blocks(blocks: list, key: str, shape: tuple, where: str):
+    """One key of the depths' blocks (read_block's dicts) stacked over depths, or None when a
+    depth lacks it (the loader reports the missing tensor); a wrong shape is a ValueError."""
+    arrays = [block.get(key) for block in blocks]
+    if any(a is None for a in arrays):
+        return None
+    for depth, array in enumerate(arrays):
+        if tuple(np.shape(array)) != tuple(shape[1:]):
+            prefix = f"{where}: " if where else ""
+            raise ValueError(f"{prefix}MTP depth {depth}'s {key!r} has shape "
+                             f"{tuple(np.shape(array))}, expected {tuple(shape[1:])}")
+    return np.stack(arrays)
 
 
 def mtp_hf_arrays(model, params, dtype=np.float32) -> dict[str, np.ndarray]:

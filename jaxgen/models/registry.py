@@ -28,11 +28,16 @@ import os
 
 import jax.numpy as jnp
 
+from jaxgen.models.deepseek_checkpoint import load_deepseek_v3
 from jaxgen.models.embedded import DEFAULT_MODEL, EMBEDDED, embedded_path
+from jaxgen.models.gemma_checkpoint import GEMMA_MODEL_TYPES, load_gemma
 from jaxgen.models.gguf_blocks import block_params
 from jaxgen.models.gguf_cache import load_cached
 from jaxgen.models.gguf_checkpoint import field, gguf_model, open_gguf
+from jaxgen.models.gemma4_assistant import load_gemma4_assistant
+from jaxgen.models.gemma4_checkpoint import load_gemma4
 from jaxgen.models.gguf_tokenizer import gguf_tokenizer
+from jaxgen.models.glm4_checkpoint import load_glm4_moe
 from jaxgen.models.hf_checkpoint import load_hf, read_model_type
 from jaxgen.models.llama import Llama
 from jaxgen.models.mtp_drafter import MtpDrafterModel, drafter_with_draft_head
@@ -55,6 +60,11 @@ KNOWN_MODELS = tuple(EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME)
 # config.json's model_type -> the loader of that family's HF folders:
 # loader(folder, dtype) -> (model, params, tokenizer or None). Other types: the Llama family.
 HF_FAMILY_LOADERS: dict = {}
+HF_FAMILY_LOADERS.update(gemma4_text=load_gemma4, gemma4=load_gemma4,  # Gemma 4 (text)
+                         gemma4_assistant=load_gemma4_assistant)  # its assistant
+HF_FAMILY_LOADERS.update(dict.fromkeys(GEMMA_MODEL_TYPES, load_gemma))  # Gemma 2 / 3
+HF_FAMILY_LOADERS.update(glm4_moe=load_glm4_moe)  # GLM-4.5 (MoE, MTP layers)
+HF_FAMILY_LOADERS.update(deepseek_v3=load_deepseek_v3)  # DeepSeek-V3 (MLA, MoE, MTP layers)
 
 
 def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None

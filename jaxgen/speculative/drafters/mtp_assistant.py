@@ -24,6 +24,13 @@ The drafter model (jaxgen.models.mtp_drafter.MtpDrafterModel) is recognised by i
     model.step(params, target, target_params, token [B], hidden [B, D], position [B], cache)
         -> (logits [B, V] float32, next hidden [B, D])
 
+and optionally (Gemma 4's assistant, jaxgen/models/gemma4_assistant.py):
+
+    model.init_draft_state(state) -> draft_state          after the prefill
+    model.round_inputs(params, target, target_params, hidden, state, draft_state)
+        -> (hidden for step 0, what `step` gets as its cache argument)   once per round
+    model.after_propose(draft_state, state, k_row) -> draft_state       after the drafts
+
 Example (generate with `assistant_model=assistant` drafts this way; tests/test_mtp_assistant.py):
     >>> import jax, jaxgen
     >>> from jaxgen.models import tiny_llama
@@ -100,8 +107,11 @@ class MtpAssistantDrafter:
         return cls(model=model, target=target_model, num_tokens=int(width)), assistant[1]
 
     def init(self, draft_params, state, target_params=None):
-        """No state of its own: everything it reads is the target's."""
-        return None
+        """No state of its own (everything it reads is the target's), unless the model keeps
+        one (`model.init_draft_state(state)`: Gemma 4's assistant tracks which target keys
+        transformers shows it)."""
+        init = getattr(self.model, "init_draft_state", None)
+        return None if init is None else init(state)
 
     def rollback(self, draft_state, length):
         return draft_state
@@ -110,6 +120,11 @@ class MtpAssistantDrafter:
         """Drafts up to k_want[b] tokens per row from the target's hidden state and cache;
         returns (Proposal, None, the target's cache unchanged)."""
         state, K = request.state, self.num_tokens
+        hidden, context = request.hidden, state.cache
+        round_inputs = getattr(self.model, "round_inputs", None)
+        if round_inputs is not None:  # the model's own view of the round (Gemma 4's assistant)
+            hidden, context = round_inputs(draft_params, self.target, request.target_params,
+                                           hidden, state, draft_state)
         length = state.length  # [B]
         position = length - 1  # [B] every step of the round queries here
         newest = jnp.take_along_axis(state.tokens, position[:, None], axis=1)[:, 0]  # [B]
@@ -122,10 +137,15 @@ class MtpAssistantDrafter:
         def body(carry):
             i, buffers, token, hidden = carry
             logits, hidden = self.model.step(draft_params, self.target, request.target_params,
-                                             token, hidden, position, state.cache)  # [B, V]
+                                             token, hidden, position, context)  # [B, V]
             buffers = draft_step(request, buffers, i, logits)
             return i + 1, buffers, buffers.drafts[:, i], hidden  # token [B], hidden [B, D]
 
-        carry = (jnp.int32(0), buffers, newest, request.hidden)
+        carry = (jnp.int32(0), buffers, newest, hidden)
         steps, buffers, _, _ = jax.lax.while_loop(cond, body, carry)
-        return buffers.proposal(steps), draft_state, state.cache
+        proposal = buffers.proposal(steps)
+        after = getattr(self.model, "after_propose", None)
+        if after is not None:
+            draft_state = after(draft_state, state,
+                                jnp.minimum(proposal.k_row, request.k_want))
+        return proposal, draft_state, state.cache
