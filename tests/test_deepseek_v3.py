@@ -321,8 +321,11 @@ def test_bad_config_and_cache_kinds_are_refused(tmp_path):
 
 def test_int8_weights_are_refused_by_name(main_case):
     _, model, params = main_case
-    from jaxgen.models.quantize import quantized_params
+    from jaxgen.models.quantize import quantize_params, quantized_params
 
+    with pytest.raises(ValueError, match=r"weights='int8' is not available for DeepseekV3 "
+                                         r"models; allowed: 'float'"):
+        quantized_params(model, params, "int8")
     with pytest.raises(ValueError, match=r"params\['layers'\]\['w.*Int8Matrix: DeepSeek-V3 "
                                          r"runs float weights only"):
-        model.check_params(quantized_params(model, params, "int8"))
+        model.check_params(quantize_params(model.config, params))

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxgen.models import Llama, LlamaConfig, unstack_layers
+from jaxgen.models import Llama, LlamaConfig, load, unstack_layers
 from jaxgen.models.gguf_checkpoint import load_gguf_checkpoint
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint
 from jaxgen.models.hf_export import save_hf_checkpoint, to_hf_arrays
@@ -369,3 +369,13 @@ def test_check_params_is_host_only_and_works_on_tracers(tied_and_untied):
     bad = dict(params, embed=jnp.zeros((41, 16)))
     with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(41, 16\)"):
         checked(bad)
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma4", "glm4_moe", "deepseek_v3"])
+def test_int8_weights_of_a_float_only_family_are_refused_before_reading(tmp_path, model_type):
+    """The folder holds only a config.json: the refusal comes before any config field or
+    weight is read."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ValueError, match=rf"weights='int8' is not available for "
+                                         rf"'{model_type}' models .*allowed: 'float'"):
+        load(str(tmp_path), weights="int8")

@@ -10,7 +10,9 @@ Every cache kind declares the logical axis of each array it holds (`field_axes`,
 attribute: e.g. the static kind's k is ("layer", "batch", "kv_heads", "time", "head_dim"));
 "batch" goes on "data", "kv_heads" on "model", every other axis is whole on each device. A
 kind without `field_axes` cannot be sharded: `cache_shardings` raises a ValueError rather
-than letting the cache be gathered onto every device.
+than letting the cache be gathered onto every device. A composite kind (one holding inner
+caches, e.g. Gemma 4's) names such a field `INNER_CACHES`: each inner cache is split by its own
+`field_axes`.
 
 Example (one CPU device: a (1, 1) mesh; the specs are what an 8-device mesh would use):
     >>> import jax
@@ -32,6 +34,9 @@ DATA, MODEL = "data", "model"
 AUTO = AxisType.Auto
 # Logical axis -> mesh axis; logical axes not listed are never split.
 MESH_AXIS_OF = {"batch": DATA, "kv_heads": MODEL}
+# The field_axes entry of a field that holds a tuple of inner caches (a composite kind, e.g.
+# jaxgen.models.gemma4_cache: one inner cache per attention type).
+INNER_CACHES = "inner caches"
 
 
 def check_mesh(mesh) -> Mesh:
@@ -91,6 +96,9 @@ def cache_shardings(cache, mesh: Mesh):
         if field.metadata.get("static") or value is None:
             continue
         names = axes[field.name]
+        if names == INNER_CACHES:  # a tuple of caches, each split by its own field_axes
+            changes[field.name] = tuple(cache_shardings(inner, mesh) for inner in value)
+            continue
         if len(names) != value.ndim:
             raise ValueError(f"{type(cache).__name__}.field_axes[{field.name!r}] names "
                              f"{len(names)} axes for an array of shape {value.shape}")

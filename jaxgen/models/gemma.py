@@ -338,6 +338,7 @@ class Gemma:
     """Gemma 2 / Gemma 3 text decoder. Hashable; usable as a static jit argument."""
 
     config: GemmaConfig
+    weight_formats = ("float", "int8")  # what load(..., weights=) may give this family
 
     @property
     def vocab_size(self) -> int:

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache import make_cache
+from jaxgen.cache.sharding import MODEL, check_divides
 from jaxgen.models.gemma4_cache import Gemma4Cache
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -223,9 +224,31 @@ class Gemma4:
 
     config: Gemma4Config
 
+    # param name -> dimension from the end on the mesh's "model" axis (jaxgen.models.shard,
+    # merged over the Llama rules: wq / wk / wv / w_gate / w_up on -1, wo / w_down on -2):
+    # the per-layer-input gate column parallel and its up-projection row parallel, the PLE
+    # table [Vp, L*P] and projection [D, L*P] by column (each array stays whole where the
+    # model axis does not divide its dimension).
+    sharding_rules = {"ple_gate": -1, "ple_up": -2, "ple_embed": -1, "ple_projection": -1}
+
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def check_mesh_fits(self, mesh) -> None:
+        """ValueError naming the config.json size the mesh's "model" axis does not divide:
+        the heads, each layer type's KV heads (the cache splits them) and the MLP width."""
+        cfg = self.config
+        hint = "choose a model axis that divides it (the data axis may take the other devices)"
+        check_divides("num_attention_heads", cfg.num_heads, mesh, MODEL, hint)
+        for kind in LAYER_TYPES:
+            if kind in cfg.layer_types[:cfg.first_shared]:
+                _, heads = cfg.type_shape(kind)
+                field = ("num_key_value_heads" if kind == "sliding_attention" else
+                         "num_key_value_heads of the full_attention layers "
+                         "(num_global_key_value_heads / per_layer_config)")
+                check_divides(field, heads, mesh, MODEL, hint)
+        check_divides("intermediate_size", cfg.intermediate_size, mesh, MODEL, hint)
 
     def _groups(self) -> tuple[list[str], tuple]:
         """(group kinds, per-layer (group, slot) for the layers that own a cache slot)."""

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
+from jaxgen.cache.sharding import MODEL, check_divides
 from jaxgen.models.config_checks import check_int
 from jaxgen.models.gemma4 import (
     Gemma4,
@@ -95,6 +96,10 @@ class Gemma4AssistantConfig:
             raise ValueError(f"num_centroids={self.num_centroids} must divide vocab_size="
                              f"{self.text.vocab_size}")
 
+    @property
+    def vocab_size(self) -> int:  # what jaxgen.models.shard reads for the vocabulary split
+        return self.text.vocab_size
+
 
 class RoundContext(NamedTuple):
     """What every step of one round reads: the target's cache and, per row, the visible
@@ -115,6 +120,17 @@ class Gemma4Assistant:
     @property
     def vocab_size(self) -> int:
         return self.config.text.vocab_size
+
+    def check_mesh_fits(self, mesh) -> None:
+        """ValueError naming the text_config size the mesh's "model" axis does not divide
+        (the heads, the MLP width). On a mesh (jaxgen.models.shard) the layers split as the
+        Llama rules say, the embeddings by vocabulary where it divides; the projections and
+        the centroids stay whole."""
+        text = self.config.text
+        hint = "choose a model axis that divides it (the data axis may take the other devices)"
+        check_divides("text_config.num_attention_heads", text.num_heads, mesh, MODEL, hint)
+        check_divides("text_config.intermediate_size", text.intermediate_size, mesh, MODEL,
+                      hint)
 
     def param_shapes(self) -> dict:
         text = self.config.text

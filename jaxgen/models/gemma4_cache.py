@@ -20,10 +20,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+
+from jaxgen.cache.sharding import INNER_CACHES
 
 __all__ = ["Gemma4Cache"]
 
@@ -36,6 +38,8 @@ class Gemma4Cache:
 
     groups: tuple  # inner caches (jaxgen.cache kinds), each stacked over its slots
     slots: tuple = dataclasses.field(metadata=dict(static=True), default=())  # per cached layer
+    # on a mesh each inner cache is split by its own field_axes (jaxgen.cache.sharding)
+    field_axes: ClassVar[dict] = {"groups": INNER_CACHES}
 
     @property
     def kind(self) -> str:

@@ -305,6 +305,7 @@ class Llama:
     """Llama-family decoder. Hashable; usable as a static jit argument."""
 
     config: LlamaConfig
+    weight_formats = ("float", "int8")  # what load(..., weights=) may give this family
 
     @property
     def vocab_size(self) -> int:

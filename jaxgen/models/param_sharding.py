@@ -20,7 +20,8 @@ mesh's "model" axis; every other dimension is whole, and parameters are replicat
     not know)                                replicated
 
 Another family states its own layer rules as `model.sharding_rules` ({name: dimension from
-the end}, merged over the rules above: e.g. MoE experts [L, E, D, F] on "model" by expert)
+the end}, merged over the rules above: e.g. MoE experts [L, E, D, F] on "model" by expert;
+they also place the family's top-level arrays they name, e.g. Gemma 4's per-layer-input table)
 and its divisibility checks as `model.check_mesh_fits(mesh)` (a ValueError naming the size).
 
 The rules count dimensions from the end, so the stacked layout ([L, ...] arrays) and the
@@ -100,7 +101,8 @@ def param_shardings(model, params, mesh, *, head: str = "auto"):
                          f"{type(model).__name__} has no Llama config")
     else:
         check_model_fits(config, mesh)
-    rules = {**LAYER_RULES, **dict(getattr(model, "sharding_rules", {}))}
+    family_rules = dict(getattr(model, "sharding_rules", {}))
+    rules = {**LAYER_RULES, **family_rules}
     vocab = _vocab_parallel(config, mesh, head)
     model_devices = axis_size(mesh, MODEL)
 
@@ -134,6 +136,8 @@ def param_shardings(model, params, mesh, *, head: str = "auto"):
             out[name] = {key: layer(tree) if key == "layers" else
                          jax.tree_util.tree_map(place(None), tree)
                          for key, tree in value.items()}
+        elif name in family_rules and not isinstance(value, Mapping):  # e.g. Gemma 4's PLE
+            out[name] = place(family_rules[name])(value)
         else:  # final_norm, and sub-trees this module does not know: whole on every device
             out[name] = jax.tree_util.tree_map(place(None), value)
     return out

@@ -148,14 +148,15 @@ def quantize_params(config, params: dict, group: int | None = None) -> dict:
 
 def quantized_params(model, params: dict, weights: str, group: int | None = None) -> dict:
     """`params` in the `weights` format ("float": unchanged; "int8": quantize_params) for a
-    Llama-family `model`; a ValueError for other models or formats."""
+    model whose class lists the format in `weight_formats` (the Llama and Gemma 2/3 families);
+    a ValueError naming `weights` and the allowed formats otherwise."""
     if check_weights(weights) == "float":
         return params
     if weights != "int8":
         raise ValueError(f"weights={weights!r} keeps a GGUF file's own blocks: load it with "
                          f"jaxgen.models.load(path_or_name, weights={weights!r})")
-    if not hasattr(model, "config") or not hasattr(model.config, "tie_word_embeddings") \
-            or "layers" not in params:
-        raise ValueError(f"weights={weights!r} supports Llama-family models, not "
-                         f"{type(model).__name__}")
+    formats = getattr(model, "weight_formats", ("float",))
+    if weights not in formats or "layers" not in params:
+        raise ValueError(f"weights={weights!r} is not available for {type(model).__name__} "
+                         f"models; allowed: {', '.join(map(repr, formats))}")
     return quantize_params(model.config, params, group)

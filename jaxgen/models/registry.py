@@ -65,6 +65,9 @@ HF_FAMILY_LOADERS.update(gemma4_text=load_gemma4, gemma4=load_gemma4,  # Gemma 4
 HF_FAMILY_LOADERS.update(dict.fromkeys(GEMMA_MODEL_TYPES, load_gemma))  # Gemma 2 / 3
 HF_FAMILY_LOADERS.update(glm4_moe=load_glm4_moe)  # GLM-4.5 (MoE, MTP layers)
 HF_FAMILY_LOADERS.update(deepseek_v3=load_deepseek_v3)  # DeepSeek-V3 (MLA, MoE, MTP layers)
+# The families of HF_FAMILY_LOADERS whose models take weights="int8" (their classes'
+# weight_formats); the others load float weights only, refused before any weight is read.
+INT8_FAMILIES = frozenset(GEMMA_MODEL_TYPES)
 
 
 def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None
@@ -142,6 +145,17 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     return loaded  # the same object the per-process cache of embedded models holds
 
 
+def _check_family_takes(name_or_path, weights: str) -> None:
+    """A ValueError naming `weights` when an HF folder's family loads float weights only."""
+    name = os.fspath(name_or_path)
+    if not os.path.isdir(name) or is_mtp_drafter_folder(name):
+        return
+    model_type = read_model_type(name)
+    if model_type in HF_FAMILY_LOADERS and model_type not in INT8_FAMILIES:
+        raise ValueError(f"weights={weights!r} is not available for {model_type!r} models "
+                         f"({name}); allowed: 'float'")
+
+
 def _load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
           weights: str = "float", group: int | None = None
           ) -> tuple[Llama | MtpDrafterModel, dict, Tokenizer | None]:
@@ -150,6 +164,7 @@ def _load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     if check_weights(weights) == "gguf":
         return _load_gguf_blocks(name_or_path, dtype, cache_dir)
     if weights != "float":
+        _check_family_takes(name_or_path, weights)
         model, params, tokenizer = _load(name_or_path, dtype, cache_dir=cache_dir)
         return model, quantized_params(model, params, weights, group), tokenizer
     name = os.fspath(name_or_path)
