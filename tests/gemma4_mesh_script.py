@@ -4,6 +4,7 @@ meshes: greedy, beam and the assistant's drafting give the same tokens as one de
 (tests/test_gemma4.py runs it in a subprocess and reads its last JSON line: check -> ok)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -37,11 +38,13 @@ def models():
     params = jax.tree_util.tree_map(lambda a: a * 4.0 if a.ndim >= 2 else a,
                                     model.init_params(jax.random.key(1)))
     assistant = Gemma4Assistant(Gemma4AssistantConfig(
-        text=Gemma4Config(hidden_size=16, layer_types=TYPES[:2], head_dims=(4, 8),
+        text=Gemma4Config(hidden_size=32, layer_types=TYPES[:2], head_dims=(4, 8),
                           kv_heads=(8, 8), **SHAPES), backbone_hidden_size=32))
-    drafter_params = assistant.init_params(jax.random.key(3), scale=0.5)
-    # the token's own embedding passes through: some drafts are accepted, some rejected
-    eye = jnp.concatenate([jnp.eye(32, 16), jnp.zeros((32, 16))])  # [2 Dt, D]
+    drafter_params = assistant.init_params(jax.random.key(3), scale=0.1)
+    # the token's own embedding passes through to the target's embedding table: some drafts
+    # are accepted, some rejected
+    drafter_params["embed"] = params["embed"]
+    eye = jnp.concatenate([jnp.eye(32), jnp.zeros((32, 32))])  # [2 Dt, D]
     drafter_params["pre_projection"] = drafter_params["pre_projection"] + eye
     return model, params, (assistant, drafter_params)
 
@@ -51,6 +54,7 @@ def main() -> None:
     g = jaxgen.GenerationConfig
     base = dict(max_new_tokens=6, pad_token_id=0, eos_token_id=63)
     drafting = dict(max_new_tokens=10, pad_token_id=0, num_assistant_tokens=3,
+                    num_assistant_tokens_schedule="constant", assistant_fallback=False,
                     assistant_confidence_threshold=0.0)
     cases = {"greedy": (g(**base), False), "beam": (g(**base, num_beams=2), False),
              "assistant": (g(**drafting), True),
@@ -89,7 +93,26 @@ def main() -> None:
     state = jaxgen.init_state(model, PROMPTS, g(**base), jax.random.key(7), mesh=mesh)
     checks["cache kv heads on model"] = all(
         "model" in str(group.k.sharding.spec) for group in state.cache.groups)
+    narrow = jax.make_mesh((1, 8), ("data", "model"))
+    wide_full = Gemma4(dataclasses.replace(model.config, kv_heads=(8, 4, 8, 4)))
+    checks["full layers' kv heads refused"] = refused(
+        lambda: shard(wide_full, wide_full.init_params(jax.random.key(0)), narrow),
+        "num_global_key_value_heads")
+    odd_mlp = Gemma4Assistant(dataclasses.replace(assistant.config, text=dataclasses.replace(
+        assistant.config.text, intermediate_size=12)))
+    checks["assistant's MLP width refused"] = refused(
+        lambda: shard(odd_mlp, odd_mlp.init_params(jax.random.key(0)), narrow),
+        "text_config.intermediate_size")
     print(json.dumps(checks))
+
+
+def refused(call, field: str) -> bool:
+    """Whether `call` raises a ValueError naming `field`."""
+    try:
+        call()
+    except ValueError as error:
+        return field in str(error)
+    return False
 
 
 if __name__ == "__main__":

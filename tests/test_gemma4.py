@@ -3,13 +3,15 @@ both layer types (head_dim 8 sliding / 16 full, window 4), per-layer input embed
 layers, a double-wide MLP, attention_k_eq_v, soft-capped logits and random norms / layer
 scalars: logits (prefill + cached decode steps), greedy and beam tokens on a ragged batch,
 sampling (chi-square of the first token against transformers' distribution), prompt lookup,
-a multimodal gemma4 folder (its text model loads; the towers are skipped with a warning) and
-the refusal of what jaxgen does not implement.
+a multimodal gemma4 folder (its text model loads; the towers are skipped with a warning),
+the refusal of what jaxgen does not implement, and the same tokens on 8 simulated devices.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -196,3 +198,48 @@ def test_unsupported_config_fields_are_refused(tmp_path):
     assert os.path.isdir(folder)
     with pytest.raises(ValueError, match="cache_implementation"):
         Gemma4(gemma4_config(TEXT)).init_cache(1, 8, kind="quantized")
+
+
+def test_shard_places_heads_mlp_per_layer_inputs_and_vocab_on_model():
+    """One device, a (1, 1) mesh: `shard` lays Gemma 4 out (the Llama rules per layer, the
+    per-layer inputs by column, the vocabulary) and `init_state` splits each cache group's KV
+    heads; the 8-device run is test_mesh_tokens_equal_one_device."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxgen.models.param_sharding import shard
+
+    model = Gemma4(gemma4_config({**TEXT, "hidden_size": 16, "intermediate_size": 16}))
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    placed = shard(model, model.init_params(jax.random.key(0)), mesh)
+    specs = {name: placed["layers"][0][name].sharding.spec
+             for name in ("wq", "wk", "wo", "w_gate", "w_down", "ple_gate", "ple_up", "q_norm")}
+    assert specs == {"wq": P(None, "model"), "wk": P(None, "model"), "wo": P("model", None),
+                     "w_gate": P(None, "model"), "w_down": P("model", None),
+                     "ple_gate": P(None, "model"), "ple_up": P("model", None),
+                     "q_norm": P(None)}
+    assert placed["embed"].sharding.spec == P("model", None)
+    assert placed["ple_embed"].sharding.spec == P(None, "model")
+    assert placed["ple_projection"].sharding.spec == P(None, "model")
+    assert placed["ple_projection_norm"].sharding.spec == P(None)
+    cfg = jaxgen.GenerationConfig(max_new_tokens=2, pad_token_id=PAD)
+    state = jaxgen.init_state(model, [[5, 6], [7]], cfg, mesh=mesh)
+    assert [group.k.sharding.spec for group in state.cache.groups] == \
+        [P(None, "data", "model", None, None)] * 2
+
+
+@pytest.mark.slow  # about 3 min on 2 cores: 4 cases x 3 layouts, each compiled
+def test_mesh_tokens_equal_one_device():
+    """Greedy, beam and the Gemma 4 assistant's drafting (greedy and sampled) on 8 simulated
+    devices ((2, 4) and (1, 8) meshes) give one device's tokens and draft counts; heads, MLP
+    columns, per-layer inputs, vocabulary and the cache's KV heads sit on "model", and a size
+    the model axis does not divide is refused by name (tests/gemma4_mesh_script.py, in a
+    subprocess)."""
+    script = os.path.join(os.path.dirname(__file__), "gemma4_mesh_script.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    checks = json.loads(lines[-1])
+    assert len(checks) >= 20 and all(checks.values()), checks

@@ -1,10 +1,15 @@
 """Universal assisted decoding with a Gemma 2 target: a tiny Llama assistant with another
 tokenizer (the byte-level BPEs of tests/test_uad.py), jaxgen's tokens against transformers'
-UAD (`generate(..., assistant_model=, tokenizer=, assistant_tokenizer=)`), fp32."""
+UAD (`generate(..., assistant_model=, tokenizer=, assistant_tokenizer=)`), fp32, and UAD
+sampling against the target's exact distribution (chi-square)."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
+from exact_sampling import chi_square
 from model_fixtures import make_hf_model
 from test_gemma import make_hf_gemma
 from test_uad import FEWER_RAW, FEWER_TOK, TARGET_RAW, TARGET_TOK, TEXTS
@@ -59,3 +64,35 @@ def test_uad_tokens_equal_transformers_uad_and_plain_greedy(models):
         if EOS in row[len(prompt):]:
             row = row[:row.index(EOS, len(prompt)) + 1]
         assert ours[b] == row, f"row {b}"
+
+
+@pytest.mark.slow
+def test_uad_sampling_keeps_the_target_distribution(models):
+    """Sampling (top_k=0, temperature 0.5: peaked enough for the test to tell the two
+    marginals apart) with the Llama assistant of another tokenizer: the first and the second
+    new tokens (drawn by UAD's accept / resample steps) follow the target's exact marginals
+    p(. | prompt) and sum_a p(a | prompt) p(. | prompt, a) (chi-square, 1000 rows)."""
+    target, params, _, assistant, _ = models
+    prompt, rows, vocab, temperature = PROMPTS[1], 1000, target.vocab_size, 0.5
+
+    def probs(prefixes):
+        tokens = jnp.asarray(prefixes, jnp.int32)  # [N, S]
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [N, S]
+        logits = target(params, tokens, positions, target.init_cache(*tokens.shape)).logits
+        return np.asarray(jax.nn.softmax(logits[:, -1] / temperature), np.float64)  # [N, V]
+
+    first = probs([prompt])[0]  # [V]
+    second = first @ probs([prompt + [a] for a in range(vocab)])  # [V]
+    cfg = jaxgen.GenerationConfig(do_sample=True, top_k=0, temperature=temperature,
+                                  max_new_tokens=3, pad_token_id=0, num_assistant_tokens=3,
+                                  assistant_confidence_threshold=0.0)
+    out = jaxgen.generate(params, jaxgen.init_state(target, [prompt] * rows, cfg,
+                                                    jax.random.key(11)), cfg,
+                          assistant_model=assistant, tokenizer=TARGET_TOK,
+                          assistant_tokenizer=FEWER_TOK)
+    new = np.asarray(out.sequences)[:, len(prompt):len(prompt) + 2]  # [rows, 2]
+    assert (np.asarray(out.lengths) == len(prompt) + 3).all()
+    assert chi_square(np.bincount(new[:, 0], minlength=vocab), first) > 1e-3
+    assert chi_square(np.bincount(new[:, 1], minlength=vocab), second) > 1e-3
+    stats = out.speculative  # both the accept and the resample paths ran
+    assert 0 < int(np.sum(stats.accepted)) < int(np.sum(stats.drafted))

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +229,8 @@ class Gemma4:
     # the per-layer-input gate column parallel and its up-projection row parallel, the PLE
     # table [Vp, L*P] and projection [D, L*P] by column (each array stays whole where the
     # model axis does not divide its dimension).
-    sharding_rules = {"ple_gate": -1, "ple_up": -2, "ple_embed": -1, "ple_projection": -1}
+    sharding_rules: ClassVar[dict] = {"ple_gate": -1, "ple_up": -2, "ple_embed": -1,
+                                      "ple_projection": -1}
 
     @property
     def vocab_size(self) -> int:
