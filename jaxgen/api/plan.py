@@ -73,6 +73,7 @@ from jaxgen.speculative.drafters.mtp_assistant import MtpAssistantDrafter
 from jaxgen.speculative.drafters.mtp_layers import MtpDrafter
 from jaxgen.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from jaxgen.speculative.loop import AssistInputs, SpeculativeLoop
+from jaxgen.speculative.tree_loop import tree_loop_for
 from jaxgen.speculative.uad.bridge import universal_assistant
 from jaxgen.speculative.uad.drafter import UadDrafter
 
@@ -277,6 +278,11 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
                                           state.model)
     drafter, inputs = choose_drafter(cfg, state.model, assistant_model, num_assistant_tokens)
     drafter = _placed_on_state_mesh(drafter, state)
+    if cfg.assistant_tree_nodes is not None and drafter is None:
+        raise ValueError(f"`assistant_tree_nodes`={cfg.assistant_tree_nodes} applies to "
+                         f"assisted decoding with an MTP drafter (pass assistant_model="
+                         f"(MtpDrafterModel, params)); allowed without one: "
+                         f"assistant_tree_nodes=None")
     if drafter is not None and custom is not None:
         raise ValueError("custom_generate replaces the decoding loop: it cannot be combined "
                          "with assistant_model / prompt_lookup_num_tokens")
@@ -284,6 +290,8 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
                                 assisted=drafter is not None, custom=custom is not None)
     if custom is not None:
         loop = CustomLoop(custom, ext)
+    elif drafter is not None and cfg.assistant_tree_nodes is not None:  # token trees
+        loop = tree_loop_for(drafter, ext, state, cfg)
     elif drafter is not None:
         loop = SpeculativeLoop(drafter, ext)
     elif cfg.num_beams > 1:

@@ -39,6 +39,12 @@ age = p - pos[j]:
     valid[j]                                          (block-specific, e.g. "older than the
                                                        chunk being written")
 
+Token trees (jaxgen.speculative.tree): a forward of S queries at the contiguous slots
+q_positions[b, 0] .. q_positions[b, 0] + S - 1 may pass `tree_mask` bool [B, S, S]. A key
+at one of those slots (offset o from q_positions[b, 0], written by this forward) is then
+visible to query s iff tree_mask[b, s, o] (its ancestors and itself), instead of o <= s; keys
+before the block follow the rules above. Without it nothing changes.
+
 Example (one query head group of 2 over 3 cached keys; every key is visible at position 2):
     >>> import jax.numpy as jnp
     >>> from jaxgen.cache.attention import KeyBlock, attend_blocks
@@ -89,8 +95,9 @@ class KeyBlock:
         return self.k.shape[1]
 
 
-def _visible(block: KeyBlock, q_positions: jax.Array, window: int | None) -> jax.Array:
-    """bool [B, S, Tk]."""
+def _visible(block: KeyBlock, q_positions: jax.Array, window: int | None,
+             tree_mask: jax.Array | None = None) -> jax.Array:
+    """bool [B, S, Tk]. tree_mask: bool [B, S, S] over this forward's own slots (module docs)."""
     positions = block.positions
     if positions.ndim == 1:
         positions = positions[None]  # [1, Tk]
@@ -108,7 +115,22 @@ def _visible(block: KeyBlock, q_positions: jax.Array, window: int | None) -> jax
         visible &= band
     if block.valid is not None:
         visible &= block.valid[:, None, :]
+    if tree_mask is not None:
+        visible = _tree_visible(visible, positions, q_positions, tree_mask)
     return visible
+
+
+def _tree_visible(visible: jax.Array, positions: jax.Array, q_positions: jax.Array,
+                  tree_mask: jax.Array) -> jax.Array:
+    """visible bool [B, S, Tk] with the keys at this forward's own slots (offsets 0..S-1 from
+    q_positions[:, 0]) visible by tree_mask [B, S, S] instead of by position."""
+    seq = tree_mask.shape[-1]
+    offset = positions[:, None, :] - q_positions[:, :1, None]  # [B, 1, Tk]
+    fresh = (offset >= 0) & (offset < seq) & (positions[:, None, :] >= 0)  # [B, 1, Tk]
+    index = jnp.broadcast_to(jnp.clip(offset, 0, seq - 1),
+                             (q_positions.shape[0], seq, offset.shape[-1]))  # [B, S, Tk]
+    ancestor = jnp.take_along_axis(tree_mask, index, axis=2)  # [B, S, Tk]
+    return jnp.where(fresh, ancestor, visible)
 
 
 def _matmul_f32(a: jax.Array, b: jax.Array, contract: tuple[int, int], batch: int) -> jax.Array:
@@ -153,7 +175,8 @@ def _values(weights: jax.Array, block: KeyBlock, out_dtype) -> jax.Array:
 
 def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBlock], *,
                   scale: float, window: int | None = None,
-                  softcap: float | None = None) -> jax.Array:
+                  softcap: float | None = None, tree_mask: jax.Array | None = None
+                  ) -> jax.Array:
     """Grouped-query attention of q [B, S, H, Dh] over the union of `blocks`.
 
     q_positions: int32 [B, S]. window: the layer's sliding window (an int, or an int32
@@ -164,9 +187,11 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     KEY_CHUNK keys per step of a loop (online softmax: each chunk's partial softmax merged
     into a running one), so its codes are widened to float one cache-resident chunk at a time
     instead of the whole layer at once (XLA:CPU does not widen inside the matmul).
+    tree_mask: bool [B, S, S], a token tree's ancestor mask over this forward's own slots
+    (module docs); None: positions alone decide.
     """
     batch, seq, num_heads, head_dim = q.shape
-    if len(blocks) == 1 and _skips_chunks(blocks[0], seq):
+    if len(blocks) == 1 and tree_mask is None and _skips_chunks(blocks[0], seq):
         return _attend_query_blocks(q, q_positions, blocks[0], scale, window, softcap)
     num_kv_heads = blocks[0].num_kv_heads
     group = num_heads // num_kv_heads
@@ -174,9 +199,11 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     q_rows = jnp.transpose(q_grouped, (0, 2, 3, 1, 4)).reshape(
         batch, num_kv_heads, group * seq, head_dim)  # [B, Hkv, G*S, Dh]
     if any(_is_chunked(block) for block in blocks):
-        out = _attend_partials(q_rows, q_positions, blocks, scale, window, group, softcap)
+        out = _attend_partials(q_rows, q_positions, blocks, scale, window, group, softcap,
+                               tree_mask)
     else:
-        out = _attend_whole(q_rows, q_positions, blocks, scale, window, group, softcap)
+        out = _attend_whole(q_rows, q_positions, blocks, scale, window, group, softcap,
+                            tree_mask)
     out = out.reshape(batch, num_kv_heads, group, seq, head_dim)  # [B, Hkv, G, S, Dh]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, num_heads, head_dim
                                                        ).astype(q.dtype)
@@ -269,7 +296,7 @@ def _out_of_block_basis(out: jax.Array, block: KeyBlock) -> jax.Array:
 
 
 def _masked_scores(rows, q_positions, block: KeyBlock, scale: float, window, group: int,
-                   softcap: float | None = None):
+                   softcap: float | None = None, tree_mask: jax.Array | None = None):
     """Scaled (and soft-capped, when softcap is set) scores [B, Hkv, R, Tk] of rows already
     in the block's basis, -inf where a key is invisible to the query position of that row
     (R = G*S, group-major)."""
@@ -277,17 +304,17 @@ def _masked_scores(rows, q_positions, block: KeyBlock, scale: float, window, gro
     scores = _scores(rows, block) * scale  # [B, Hkv, R, Tk]
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)  # [B, Hkv, R, Tk]
-    visible = _visible(block, q_positions, window)  # [B, S, Tk]
+    visible = _visible(block, q_positions, window, tree_mask)  # [B, S, Tk]
     visible = jnp.broadcast_to(visible[:, None], (batch, group) + visible.shape[1:])
     visible = visible.reshape(batch, 1, rows_count, -1)  # [B, 1, R, Tk]
     return jnp.where(visible, scores, -jnp.inf)
 
 
 def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int,
-                  softcap: float | None = None) -> jax.Array:
+                  softcap: float | None = None, tree_mask=None) -> jax.Array:
     """Every block's scores at once, one softmax, then the values: [B, Hkv, R, Dh] f32."""
     parts = [_masked_scores(_in_block_basis(q_rows, block), q_positions, block, scale, window,
-                            group, softcap) for block in blocks]  # each [B, Hkv, R, Tk]
+                            group, softcap, tree_mask) for block in blocks]  # each [B, Hkv, R, Tk]
     scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)  # [B,Hkv,R,ΣTk]
     weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, ΣTk]
     out = None
@@ -302,24 +329,24 @@ def _attend_whole(q_rows, q_positions, blocks, scale: float, window, group: int,
 
 
 def _attend_partials(q_rows, q_positions, blocks, scale: float, window, group: int,
-                     softcap: float | None = None):
+                     softcap: float | None = None, tree_mask=None):
     """Each block's partial softmax (long quantized blocks chunk by chunk), merged:
     [B, Hkv, R, Dh] f32."""
     partials = []
     for block in blocks:
         chunked = _chunked_partial if _is_chunked(block) else _partial
         high, total, acc = chunked(_in_block_basis(q_rows, block), q_positions, block, scale,
-                                   window, group, softcap)
+                                   window, group, softcap, tree_mask)
         partials.append((high, total, _out_of_block_basis(acc, block)))
     return _merge(partials)
 
 
 def _partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int,
-             softcap: float | None = None):
+             softcap: float | None = None, tree_mask=None):
     """One block's partial softmax: (max [B, Hkv, R, 1], sum of weights [B, Hkv, R, 1],
     weighted values [B, Hkv, R, Dh]), all float32, relative to that max (R = G*S)."""
     scores = _masked_scores(rows, q_positions, block, scale, window, group,
-                            softcap)  # [B, Hkv, R, Tk]
+                            softcap, tree_mask)  # [B, Hkv, R, Tk]
     high = jnp.max(scores, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
     weights = jnp.exp(scores - _finite(high))  # [B, Hkv, R, Tk] (0 where invisible)
     total = jnp.sum(weights, axis=-1, keepdims=True)  # [B, Hkv, R, 1]
@@ -327,7 +354,7 @@ def _partial(rows, q_positions, block: KeyBlock, scale: float, window, group: in
 
 
 def _chunked_partial(rows, q_positions, block: KeyBlock, scale: float, window, group: int,
-                     softcap: float | None = None):
+                     softcap: float | None = None, tree_mask=None):
     """`_partial` of a long block, KEY_CHUNK keys per step of a loop (online softmax). The
     last chunk starts at Tk - KEY_CHUNK; keys an earlier chunk already counted are masked."""
     count = -(-block.num_keys // KEY_CHUNK)
@@ -336,7 +363,7 @@ def _chunked_partial(rows, q_positions, block: KeyBlock, scale: float, window, g
         begin = jnp.minimum(index * KEY_CHUNK, block.num_keys - KEY_CHUNK)
         part = _key_slice(block, begin, fresh_from=index * KEY_CHUNK, size=KEY_CHUNK)
         return _merge_two(carry, _partial(rows, q_positions, part, scale, window, group,
-                                          softcap))
+                                          softcap, tree_mask))
 
     return jax.lax.fori_loop(0, count, step, _empty_partial(rows.shape))
 

@@ -34,6 +34,7 @@ from jaxgen.cache.layout import (
     HEADS_MAJOR_AXES,
     fit_time,
     heads_major,
+    move_time_slots,
     scatter_heads_major,
     stored_shape,
 )
@@ -85,25 +86,34 @@ class KVCache:
 
     def attend(self, layer, q: jax.Array, q_positions: jax.Array, *,
                scale: float, window: int | None = None,
-               softcap: float | None = None) -> jax.Array:
+               softcap: float | None = None, tree_mask: jax.Array | None = None) -> jax.Array:
         """Attention of queries over this layer's cache.
 
         q: [B, S, H, Dh]; q_positions: int32 [B, S]. Returns [B, S, H, Dh] in q's dtype.
         window: the model's sliding window (keys at j <= p - window are invisible).
         softcap: attention logit soft-capping (jaxgen.cache.attention; None: none).
+        tree_mask: bool [B, S, S], a token tree's ancestor mask over the slots
+        q_positions[:, 0] + 0..S-1 (jaxgen.cache.attention); None: by position.
         """
         k_layer = self.k[layer]  # [B, Hkv, T, Dh]
         v_layer = self.v[layer]  # [B, Hkv, T, Dh]
         return attend_dense(q, k_layer, v_layer, q_positions, scale=scale, window=window,
-                            softcap=softcap)
+                            softcap=softcap, tree_mask=tree_mask)
 
     def update_attend(self, layer, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                       positions: jax.Array, *, scale: float, window: int | None = None,
-                      softcap: float | None = None) -> tuple[jax.Array, "KVCache"]:
+                      softcap: float | None = None, tree_mask: jax.Array | None = None
+                      ) -> tuple[jax.Array, "KVCache"]:
         """Writes the new K/V, then attends (queries at `positions`). Returns (out, cache)."""
         cache = self.update(layer, k_new, v_new, positions)
         return cache.attend(layer, q, positions, scale=scale, window=window,
-                            softcap=softcap), cache
+                            softcap=softcap, tree_mask=tree_mask), cache
+
+    def move_slots(self, src: jax.Array, dst: jax.Array) -> "KVCache":
+        """Every layer's K/V at each row's slots src int32 [B, S] copied to slots dst [B, S]
+        (a token tree's accepted path, written back contiguously); length unchanged."""
+        return dataclasses.replace(self, k=move_time_slots(self.k, src, dst),
+                                   v=move_time_slots(self.v, src, dst))
 
     def with_length(self, length: jax.Array) -> "KVCache":
         return dataclasses.replace(self, length=length.astype(jnp.int32))
@@ -136,13 +146,14 @@ class DynamicKVCache(KVCache):
 
 def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
                  scale: float, window: int | None = None,
-                 softcap: float | None = None) -> jax.Array:
+                 softcap: float | None = None, tree_mask: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention with the causal-by-position mask.
 
     q: [B, S, H, Dh]; k, v: [B, Hkv, T, Dh] (heads-major); q_positions: int32 [B, S].
     Key j is visible to a query at position p iff j <= p (and p - j < window). Softmax in fp32.
-    Returns [B, S, H, Dh] in q's dtype.
+    Returns [B, S, H, Dh] in q's dtype. tree_mask: see `KVCache.attend`.
     """
     block = KeyBlock(k=k, v=v, positions=jnp.arange(k.shape[2], dtype=jnp.int32),
                      ordered=True)
-    return attend_blocks(q, q_positions, [block], scale=scale, window=window, softcap=softcap)
+    return attend_blocks(q, q_positions, [block], scale=scale, window=window, softcap=softcap,
+                         tree_mask=tree_mask)

@@ -119,6 +119,27 @@ def scatter_heads_major(buf: jax.Array, updates: jax.Array, slots: jax.Array,
                        mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
+def move_time_slots(buf, src: jax.Array, dst: jax.Array):
+    """A heads-major per-layer field [L, B, Hkv, T, X] (stacked or split) with each row's
+    slots src int32 [B, S] copied to its slots dst [B, S], every layer (all read before any
+    is written; dst outside [0, T) dropped). A token tree's accepted path moves this way.
+
+    Example:
+        >>> buf = jnp.arange(6.0).reshape(1, 1, 1, 6, 1)             # slot j holds j
+        >>> moved = move_time_slots(buf, jnp.array([[4, 5]]), jnp.array([[1, 2]]))
+        >>> moved[0, 0, 0, :, 0].tolist()
+        [0.0, 4.0, 5.0, 3.0, 4.0, 5.0]
+    """
+    def one(layer_buf):  # [B, Hkv, T, X]
+        taken = jnp.take_along_axis(layer_buf, src[:, None, :, None].astype(jnp.int32),
+                                    axis=2)  # [B, Hkv, S, X] (Hkv, X broadcast)
+        return scatter_heads_major(layer_buf, taken, dst)
+
+    if isinstance(buf, tuple):
+        return tuple(one(layer_buf) for layer_buf in buf)
+    return jax.vmap(one)(buf)
+
+
 def scatter_rows(buf: jax.Array, values: jax.Array, slots: jax.Array, layer) -> jax.Array:
     """Writes values [B, S] into buf [L, B, T] (stacked or split) at layer `layer` and each
     row's slots [B, S] (a ring's position table), rows as a batching dimension (see

@@ -290,3 +290,38 @@ def validate_fallback_fields(cfg) -> None:
     for value in cost:
         check_float("assistant_verify_cost", value, low=0.0, allowed=allowed, shown=repr(cost))
     object.__setattr__(cfg, "assistant_verify_cost", (float(cost[0]), float(cost[1])))
+
+
+TREE_NODES_MAX = 64  # assistant_tree_nodes: one verify forward holds N + 1 positions
+TREE_WIDTH_MAX = 8  # assistant_tree_width
+
+
+def validate_tree_fields(cfg) -> None:
+    """Token-tree verification (jaxgen.speculative.tree_loop): `assistant_tree_nodes` None or
+    an int in [1, 64], `assistant_tree_width` an int in [1, 8]; greedy only (for now).
+
+    Example:
+        >>> from jaxgen import GenerationConfig
+        >>> GenerationConfig(assistant_tree_nodes=0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: `assistant_tree_nodes` must be None (a chain of drafts) or an int in [1, 64] ...
+    """
+    check_int("assistant_tree_nodes", cfg.assistant_tree_nodes, low=1, allow_none=True,
+              allowed=f"None (a chain of drafts) or an int in [1, {TREE_NODES_MAX}] (draft "
+                      f"nodes per round)")
+    nodes = cfg.assistant_tree_nodes
+    if nodes is not None and nodes > TREE_NODES_MAX:
+        raise ValueError(f"`assistant_tree_nodes`={nodes!r} is out of range (allowed: None or "
+                         f"an int in [1, {TREE_NODES_MAX}])")
+    check_int("assistant_tree_width", cfg.assistant_tree_width, low=1,
+              allowed=f"an int in [1, {TREE_WIDTH_MAX}] (children per expanded node)")
+    if cfg.assistant_tree_width > TREE_WIDTH_MAX:
+        raise ValueError(f"`assistant_tree_width`={cfg.assistant_tree_width!r} is out of range "
+                         f"(allowed: an int in [1, {TREE_WIDTH_MAX}])")
+    if nodes is not None and cfg.do_sample:
+        raise ValueError("`assistant_tree_nodes` (token-tree verification) is greedy only for "
+                         "now (allowed: do_sample=False, or assistant_tree_nodes=None)")
+    if nodes is not None and cfg.assistant_ensemble_weight is not None:
+        raise ValueError("`assistant_tree_nodes` (token-tree verification) cannot be combined "
+                         "with `assistant_ensemble_weight` (allowed: "
+                         "assistant_ensemble_weight=None)")

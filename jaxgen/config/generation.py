@@ -127,6 +127,13 @@ HF_DEFAULTS: dict[str, Any] = {
     "assistant_fallback": True,
     "assistant_verify_cost": (0.5, 0.12),
     "assistant_probe_interval": 8,
+    # jaxgen-specific: token-tree verification (jaxgen.speculative.tree_loop) with an MTP
+    # drafter assistant: each round drafts a tree of `assistant_tree_nodes` nodes per row
+    # (chosen by cumulative draft probability; `assistant_tree_width` children per expanded
+    # node, depth max_assistant_tokens or num_assistant_tokens) and verifies it in one forward
+    # with tree attention. None: a chain of drafts. Greedy only for now. Static.
+    "assistant_tree_nodes": None,
+    "assistant_tree_width": 2,
     # Classifier-free guidance (Hugging Face's UnbatchedClassifierFreeGuidanceLogitsProcessor,
     # jaxgen.loops.guidance): a finite float, one or one per row; None or 1 is off. Dynamic (a new
     # value never recompiles; whether guidance runs at all is part of the program). The
@@ -138,7 +145,8 @@ HF_DEFAULTS: dict[str, Any] = {
 JAXGEN_FIELDS = frozenset({"presence_penalty", "frequency_penalty", "filter_impl",
                            "max_assistant_tokens", "prompt_ignore_length",
                            "assistant_fallback", "assistant_verify_cost",
-                           "assistant_probe_interval"})
+                           "assistant_probe_interval", "assistant_tree_nodes",
+                           "assistant_tree_width"})
 
 # Hugging Face fields jaxgen accepts only at their default (HF_DEFAULTS) for now: name ->
 # the feature they belong to. An issue that implements one removes it from here.
@@ -450,6 +458,7 @@ class GenerationConfig:
                     low=0.0, high=1.0, allowed="a float in [0, 1] (0 disables it)")
         check_int("assistant_early_exit", self.assistant_early_exit, low=1, allow_none=True)
         config_checks.validate_fallback_fields(self)
+        config_checks.validate_tree_fields(self)
         if self.assistant_early_exit is not None and self.num_beams > 1:
             raise ValueError(f"self-speculative early exit (`assistant_early_exit`="
                              f"{self.assistant_early_exit}) does not support beam search "

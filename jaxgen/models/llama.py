@@ -449,11 +449,16 @@ class Llama:
 
     def __call__(self, params: dict, tokens: jax.Array, positions: jax.Array, cache: Cache, *,
                  exit_layer: int | None = None,
-                 logits_index: jax.Array | None = None) -> ModelOutput:
+                 logits_index: jax.Array | None = None,
+                 tree_mask: jax.Array | None = None) -> ModelOutput:
         """One forward over S new tokens per row, writing their K/V into `cache` at `positions`.
 
         tokens, positions: int32 [B, S]. exit_layer (static): run only the first exit_layer
         layers. logits_index: optional int32 [B, S'] of sequence indices that get logits.
+        tree_mask: optional bool [B, S, S], a token tree (jaxgen.speculative.tree): positions
+        are then the contiguous slots the K/V go to, token s sees the earlier cache and the
+        tokens j with tree_mask[b, s, j] (its ancestors and itself), and its RoPE position is
+        positions[:, 0] + its depth (sum_j tree_mask[b, s, j] - 1).
         Returns ModelOutput(logits [B, S', V] f32, hidden [B, S, D] (pre final norm), cache)
         with cache.length = positions[:, -1] + 1.
         """
@@ -462,7 +467,11 @@ class Llama:
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"exit_layer={exit_layer} must be in [1, {cfg.num_layers}]")
         x = self.embed(params, tokens)  # [B, S, D]
-        x, cache = self.run_layers(params, x, positions, cache, 0, num_layers)  # [B, S, D]
+        if tree_mask is None:
+            x, cache = self.run_layers(params, x, positions, cache, 0, num_layers)  # [B, S, D]
+        else:
+            x, cache = self.run_layers(params, x, positions, cache, 0, num_layers,
+                                       tree_mask=tree_mask)  # [B, S, D]
         hidden = x  # [B, S, D]
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None].astype(jnp.int32),
@@ -476,24 +485,32 @@ class Llama:
         return jnp.take(params["embed"], tokens, axis=0)  # [B, S, D]
 
     def run_layers(self, params: dict, x: jax.Array, positions: jax.Array, cache: Cache,
-                   start: int, stop: int) -> tuple[jax.Array, Cache]:
+                   start: int, stop: int, *, tree_mask: jax.Array | None = None
+                   ) -> tuple[jax.Array, Cache]:
         """Decoder layers [start, stop) (static) over hidden states x [B, S, D] at
         `positions` [B, S], writing those layers' K/V into `cache` (its length unchanged).
-        Self-speculative early exit runs [0, E) to draft and [E, L) to verify."""
+        Self-speculative early exit runs [0, E) to draft and [E, L) to verify. tree_mask:
+        bool [B, S, S] or None (see __call__)."""
         cfg = self.config
         if not 0 <= start <= stop <= cfg.num_layers:
             raise ValueError(f"layers [{start}, {stop}) are not inside [0, {cfg.num_layers}]")
         if start == stop:
             return x, cache
-        cos, sin = rope_lib.cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+        rotated = positions
+        if tree_mask is not None:  # a token tree: RoPE by depth below the block's first slot
+            depth = jnp.sum(tree_mask, axis=-1, dtype=jnp.int32) - 1  # [B, S]
+            rotated = positions[:, :1] + depth  # [B, S]
+        cos, sin = rope_lib.cos_sin(rotated, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings, x.dtype)  # [B, S, Dh] each
+        block = self._block if tree_mask is None else functools.partial(
+            self._block, tree_mask=tree_mask)
         layers = params["layers"]
         per_layer = isinstance(layers, (list, tuple))  # unstacked (see unstack_layers)
         if per_layer or holds_layer_tuples(cache):  # unrolled: per-layer buffers need static indices
             for index in range(start, stop):
                 layer = layers[index] if per_layer else jax.tree_util.tree_map(
                     lambda a, i=index: a[i], layers)
-                x, cache = self._block(layer, index, x, cos, sin, positions, cache)
+                x, cache = block(layer, index, x, cos, sin, positions, cache)
             return x, cache
         if (start, stop) != (0, cfg.num_layers):
             layers = jax.tree_util.tree_map(lambda a: a[start:stop], layers)
@@ -501,7 +518,7 @@ class Llama:
         def layer_step(carry, scanned):
             h, kv = carry
             layer_params, index = scanned
-            h, kv = self._block(layer_params, index, h, cos, sin, positions, kv)
+            h, kv = block(layer_params, index, h, cos, sin, positions, kv)
             return (h, kv), None
 
         layer_ids = jnp.arange(start, stop, dtype=jnp.int32)  # [stop - start]
@@ -537,7 +554,8 @@ class Llama:
         return (normed @ head).astype(jnp.float32)  # [B, S, V]
 
     def _block(self, p: dict, index: jax.Array, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               positions: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+               positions: jax.Array, cache: Cache, tree_mask: jax.Array | None = None
+               ) -> tuple[jax.Array, Cache]:
         """One decoder layer: pre-norm attention then pre-norm SwiGLU MLP, both residual."""
         cfg = self.config
         batch, seq, _ = x.shape
@@ -560,8 +578,9 @@ class Llama:
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)  # [B, S, K, Dh]
         q = apply_rope(q, cos, sin)  # [B, S, H, Dh]
         k = apply_rope(k, cos, sin)  # [B, S, K, Dh]
+        tree = {} if tree_mask is None else {"tree_mask": tree_mask}  # only dense caches take it
         attn, cache = cache.update_attend(index, q, k, v, positions, scale=cfg.head_dim ** -0.5,
-                                          window=cfg.sliding_window)  # [B, S, H, Dh]
+                                          window=cfg.sliding_window, **tree)  # [B, S, H, Dh]
         out = attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim) @ p["wo"]  # [B, S, D]
         if cfg.attention_out_bias:
             out = out + p["bo"]

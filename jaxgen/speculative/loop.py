@@ -44,7 +44,7 @@ output never depends on which other rows share the batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +151,58 @@ def _position_flags(cfg, state: DecodeState, tokens: jax.Array, out: jax.Array,
     return jax.vmap(at, in_axes=(1, 1, 1, 1), out_axes=1)(new_length, out, scores, raw)
 
 
+class Emitted(NamedTuple):
+    """What `emit_accepted` leaves: the state's new fields and the record."""
+
+    tokens: jax.Array  # int32 [B, T]
+    length: jax.Array  # int32 [B]
+    emitted: jax.Array  # int32 [B] m: tokens emitted this round (0 for done rows)
+    newest: jax.Array  # int32 [B, 1] the last emitted position
+    done: jax.Array  # bool [B]
+    reason: jax.Array  # int32 [B]
+    constraint: Any  # the constraint state after the last emitted token, or None
+    record: StepRecord
+
+
+def emit_accepted(state: DecodeState, record: StepRecord, cfg, ext: Extensions, out: jax.Array,
+                  n: jax.Array, p_scores: jax.Array, raw: jax.Array, path=None) -> Emitted:
+    """Writes a round's accepted tokens out [B, k+1] (n [B] accepted drafts, then the fix)
+    with their processed / raw scores [B, k+1, V], stopping after the first position where a
+    stop condition fires (so no token follows a stop). path: the constraint automaton's state
+    at each position [B, k+1], or None."""
+    k = out.shape[1] - 1
+    batch, buffer = state.tokens.shape
+    live = ~state.done  # [B]
+    length = state.length  # [B]
+    constraint = state.constraint
+    # Emit out[:, :n+1] but stop after the first position where a stop condition fires.
+    rows = jnp.arange(batch)[:, None]
+    index = length[:, None] + jnp.arange(k + 1)[None, :]  # [B, k+1]
+    candidate = jnp.arange(k + 1)[None, :] <= n[:, None]  # [B, k+1]
+    written = state.tokens.at[rows, jnp.where(candidate & live[:, None], index, buffer)].set(
+        out, mode="drop")  # [B, T]
+    flags = _position_flags(cfg, state, written, out, p_scores, raw, ext)  # [B, k+1] each
+    fires = flags.any() & candidate  # [B, k+1]
+    first = jnp.where(jnp.any(fires, 1), jnp.argmax(fires, 1), k + 1)  # [B]
+    emitted = jnp.where(live, jnp.minimum(n, first) + 1, 0).astype(jnp.int32)  # [B] m
+    emit = jnp.arange(k + 1)[None, :] < emitted[:, None]  # [B, k+1]
+    tokens = state.tokens.at[rows, jnp.where(emit, index, buffer)].set(out, mode="drop")
+    new_length = length + emitted  # [B]
+    newest = jnp.maximum(emitted - 1, 0)[:, None]  # [B, 1] the last emitted position
+    at_last = lambda a: jnp.take_along_axis(a, newest, axis=1)[:, 0]  # noqa: E731  [B]
+    done, reason = mark_done(state.done, state.stop_reason, flags.map(at_last), live)
+    if constraint is not None:  # the state before the last emitted token (out[:n] = drafts)
+        moved = advance(constraint.automaton, at_last(path), at_last(out))  # [B]
+        constraint = constraint.replace(state=jnp.where(live, moved, constraint.state))
+    step = length[:, None] - state.prompt_len[:, None] + jnp.arange(k + 1)[None, :]  # [B, k+1]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(p_scores, axis=-1), out[..., None],
+                                   axis=-1)[..., 0]  # [B, k+1]
+    record = record.write_rows(jnp.where(emit, step, record.token_logprobs.shape[1]),
+                               logprobs, p_scores, raw)
+
+    return Emitted(tokens, new_length, emitted, newest, done, reason, constraint, record)
+
+
 def _round_keys(state: DecodeState):
     """Per-row round keys fold_in(row_key, L), split by tag: draft draws (0), acceptance
     uniforms (1), the fix draw (2). Returns tag -> keys [B]."""
@@ -209,7 +261,6 @@ def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: S
     emits, rolls back, then proposes the next round's drafts. Returns (state, carry, record)."""
     K = drafter.num_tokens
     k = K if width is None else int(width)
-    batch, buffer = state.tokens.shape
     live = ~state.done  # [B]
     length = state.length  # [B]
     tag = _round_keys(state)
@@ -232,30 +283,8 @@ def speculative_round(params, inputs: AssistInputs, state: DecodeState, carry: S
         n, fix = verify.accept_greedy(drafts, k_row, p_scores, q_scores, weight)
     out = verify.assemble(drafts, n, fix, state.pad)  # [B, k+1]
 
-    # Emit out[:, :n+1] but stop after the first position where a stop condition fires.
-    rows = jnp.arange(batch)[:, None]
-    index = length[:, None] + jnp.arange(k + 1)[None, :]  # [B, k+1]
-    candidate = jnp.arange(k + 1)[None, :] <= n[:, None]  # [B, k+1]
-    written = state.tokens.at[rows, jnp.where(candidate & live[:, None], index, buffer)].set(
-        out, mode="drop")  # [B, T]
-    flags = _position_flags(cfg, state, written, out, p_scores, raw, ext)  # [B, k+1] each
-    fires = flags.any() & candidate  # [B, k+1]
-    first = jnp.where(jnp.any(fires, 1), jnp.argmax(fires, 1), k + 1)  # [B]
-    emitted = jnp.where(live, jnp.minimum(n, first) + 1, 0).astype(jnp.int32)  # [B] m
-    emit = jnp.arange(k + 1)[None, :] < emitted[:, None]  # [B, k+1]
-    tokens = state.tokens.at[rows, jnp.where(emit, index, buffer)].set(out, mode="drop")
-    new_length = length + emitted  # [B]
-    newest = jnp.maximum(emitted - 1, 0)[:, None]  # [B, 1] the last emitted position
-    at_last = lambda a: jnp.take_along_axis(a, newest, axis=1)[:, 0]  # noqa: E731  [B]
-    done, reason = mark_done(state.done, state.stop_reason, flags.map(at_last), live)
-    if constraint is not None:  # the state before the last emitted token (out[:n] = drafts)
-        moved = advance(constraint.automaton, at_last(path), at_last(out))  # [B]
-        constraint = constraint.replace(state=jnp.where(live, moved, constraint.state))
-    step = length[:, None] - state.prompt_len[:, None] + jnp.arange(k + 1)[None, :]  # [B, k+1]
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(p_scores, axis=-1), out[..., None],
-                                   axis=-1)[..., 0]  # [B, k+1]
-    record = record.write_rows(jnp.where(emit, step, record.token_logprobs.shape[1]),
-                               logprobs, p_scores, raw)
+    emitted_round = emit_accepted(state, record, cfg, ext, out, n, p_scores, raw, path)
+    tokens, new_length, emitted, newest, done, reason, constraint, record = emitted_round
 
     # Roll both caches back by length.
     cache = cache.rollback(jnp.where(live, cache.length - (new_length - 1), 0))

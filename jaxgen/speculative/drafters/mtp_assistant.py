@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.core.contracts import DraftRequest
+from jaxgen.speculative.drafters.mtp_tree import MtpTreeDrafter
 from jaxgen.speculative.drafting import DraftBuffers, draft_step
 
 __all__ = ["MtpAssistantDrafter", "target_reading_model"]
@@ -105,6 +106,20 @@ class MtpAssistantDrafter:
         model.check_params(assistant[1])
         width = cfg.max_assistant_tokens or cfg.num_assistant_tokens
         return cls(model=model, target=target_model, num_tokens=int(width)), assistant[1]
+
+    def tree_drafter(self, nodes: int, width: int) -> MtpTreeDrafter:
+        """This assistant drafting token trees of `nodes` nodes, `width` children per expanded
+        node and depth num_tokens (`assistant_tree_nodes` / `assistant_tree_width`); a
+        ValueError for a model that drafts one query at a time with a round state of its own
+        (Gemma 4's assistant)."""
+        if not callable(getattr(self.model, "project", None)) or hasattr(self.model,
+                                                                          "round_inputs"):
+            raise ValueError(f"`assistant_tree_nodes` needs an MTP drafter that steps several "
+                             f"nodes at once (jaxgen.models.mtp_drafter.MtpDrafterModel); "
+                             f"{type(self.model).__name__} drafts chains only (allowed: "
+                             f"assistant_tree_nodes=None)")
+        return MtpTreeDrafter.build(self.model, self.target, depth=self.num_tokens,
+                                    nodes=nodes, width=width)
 
     def init(self, draft_params, state, target_params=None):
         """No state of its own (everything it reads is the target's), unless the model keeps
