@@ -6,18 +6,16 @@ from __future__ import annotations
 import json
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jaxgen  # noqa: E402
-from jaxgen.models import Glm4Moe, Glm4MoeConfig  # noqa: E402
-from jaxgen.models.moe import MoeConfig  # noqa: E402
-from jaxgen.models.mtp import with_mtp  # noqa: E402
-from jaxgen.models.param_sharding import shard  # noqa: E402
+import jaxgen
+from jaxgen.models import Glm4Moe, Glm4MoeConfig
+from jaxgen.models.moe import MoeConfig
+from jaxgen.models.mtp import with_mtp
+from jaxgen.models.param_sharding import shard
 
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7], [9, 8, 9, 8, 9], [3, 3, 3, 3, 3], [1],
            [2, 4, 2, 4], [6, 6, 1], [7, 1, 2, 7, 1]]
@@ -61,5 +59,7 @@ def main() -> None:
     print(json.dumps(checks))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # 8 simulated devices, set before JAX first touches a device
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
     main()

@@ -226,3 +226,26 @@ def test_nothing_points_outside_the_repository():
         text = path.read_text(errors="replace")
         for needle in needles:
             assert needle not in text, f"{path.relative_to(ROOT)} points outside: {needle!r}"
+
+
+def _sets_xla_flags(statement: ast.stmt) -> bool:
+    """Whether a module-level statement writes os.environ["XLA_FLAGS"]."""
+    return any(isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
+               and isinstance(node.slice, ast.Constant) and node.slice.value == "XLA_FLAGS"
+               for node in ast.walk(statement))
+
+
+def test_no_test_module_sets_the_device_count_on_import():
+    """The test suite imports every tests/*.py module (doctests): a script that simulates 8
+    devices at import would give the whole worker 8 devices (no kernel, no layouts, no
+    executable cache). Scripts set XLA_FLAGS under `if __name__ == "__main__":` or in a
+    function."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for statement in tree.body:
+            if isinstance(statement, (ast.If, ast.FunctionDef, ast.ClassDef)):
+                continue  # guarded or deferred
+            if _sets_xla_flags(statement):
+                offenders.append(f"{path.name}:{statement.lineno}")
+    assert offenders == [], offenders
