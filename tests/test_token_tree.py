@@ -2,8 +2,11 @@
 and greedy path acceptance on hand-built trees, growing trees by cumulative probability, a
 tree verify forward against plain forwards of each node's path, greedy equal to plain greedy
 through generate (ragged batch, one compile across prompts), a width-1 tree that is the
-chain, a drafter whose second choice is right (the tree accepts where the chain cannot), and
-bad requests refused before compiling.
+chain, a drafter whose second choice is right (the tree accepts where the chain cannot),
+bad requests refused before compiling, and sampled acceptance: the point-mass walk on
+hand-built trees (one-hot p is the greedy path, p = 0 is never accepted, every depth follows
+p by chi-square) and through generate (the first three tokens' exact joint, seeded rows that
+do not depend on the batch).
 """
 from __future__ import annotations
 
@@ -14,8 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from exact_sampling import SMALL_V, TEMPERATURE, TOP_K, chi_square, next_probs
 from test_early_exit import RAGGED
-from test_mtp_assistant import LLAMA, near_bigram_drafter, run
+from test_mtp_assistant import (
+    LLAMA,
+    _tiny_vocab_target_and_drafter,
+    near_bigram_drafter,
+    run,
+)
 
 import jaxgen
 from jaxgen.models import tiny_llama
@@ -23,6 +32,7 @@ from jaxgen.models.mtp_drafter import MtpDrafterConfig, MtpDrafterModel
 from jaxgen.speculative.tree import (
     TokenTree,
     accept_greedy_path,
+    accept_sampled_path,
     ancestor_mask,
     path_tokens,
     slot_depths,
@@ -275,7 +285,6 @@ def test_a_width_one_tree_is_the_chain():
     (dict(assistant_tree_nodes=2.5), r"`assistant_tree_nodes` must be"),
     (dict(assistant_tree_width=0), r"`assistant_tree_width` must be an int in \[1, 8\]"),
     (dict(assistant_tree_width=9), r"`assistant_tree_width`=9 is out of range"),
-    (dict(assistant_tree_nodes=8, do_sample=True), r"greedy only .*do_sample=False"),
     (dict(assistant_tree_nodes=8, assistant_ensemble_weight=0.5), r"assistant_ensemble_weight"),
 ])
 def test_bad_field_values_are_refused(fields, needle):
@@ -291,8 +300,8 @@ def test_requests_a_tree_cannot_run_fail_before_compiling():
                                          r"decoding with an MTP drafter"):
         run(LLAMA, cfg, RAGGED)
     with pytest.raises(ValueError, match=r"`assistant_tree_nodes`=8 needs an MTP drafter "
-                                         r"assistant.*PromptLookupDrafter drafts chains only"):
-        run(LLAMA, cfg.replace(prompt_lookup_num_tokens=3), RAGGED)
+                                         r"assistant.*DraftModelDrafter drafts chains only"):
+        run(LLAMA, cfg, RAGGED, LLAMA)  # a draft model (prompt lookup drafts trees too)
     with pytest.raises(ValueError, match=r"needs a dense KV cache.*'quantized'"):
         run(LLAMA, cfg.replace(cache_implementation="quantized"), RAGGED, assistant)
     windowed = tiny_llama(seed=4, num_layers=3, vocab_size=64, hidden_size=32,
@@ -300,3 +309,121 @@ def test_requests_a_tree_cannot_run_fail_before_compiling():
     with pytest.raises(ValueError, match=r"sliding-window attention"):
         run(windowed, cfg, RAGGED, near_bigram_drafter(windowed[0]))
     assert jaxgen.trace_count() == before
+
+
+# ------------------------------------------------------------------------- sampling
+def sampled(tree, scores, rows, seed=0, depth=3):
+    """accept_sampled_path over `rows` copies of each row of tree / scores, one key each:
+    (n, path, fix) with a leading [rows * B] axis (copy-major)."""
+    batch = tree.tokens.shape[0]
+
+    def tile(a):
+        return jnp.tile(a, (rows,) + (1,) * (a.ndim - 1))
+
+    many = jax.tree_util.tree_map(tile, tree)
+    keys = jax.random.split(jax.random.key(seed), 2)
+    uniforms = jax.random.uniform(keys[0], (rows * batch, tree.num_nodes))  # [R*B, N]
+    fix_keys = jax.random.split(keys[1], rows * batch)
+    accept = jax.jit(lambda *args: accept_sampled_path(*args, max_depth=depth))
+    return accept(many, tile(scores), uniforms, fix_keys)
+
+
+@pytest.mark.parametrize("target", [[3, 6, 0, 0, 9, 0], [4, 0, 8, 0, 0, 0],
+                                    [2, 5, 0, 0, 0, 0], [3, 5, 0, 7, 0, 1]])
+def test_one_hot_sampling_accepts_exactly_the_matching_path(target):
+    targets = jnp.array([target, [13, 0, 0, 0, 14, 0]])  # [B, N+1]
+    scores = jnp.where(jax.nn.one_hot(targets, 16, dtype=bool), 0.0, -jnp.inf)  # [B, N+1, V]
+    want = [np.asarray(a) for a in accept_greedy_path(TREE, targets, 3)]
+    got = [np.asarray(a) for a in sampled(TREE, scores, rows=64)]
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, np.tile(w, (64,) + (1,) * (w.ndim - 1)))
+
+
+def test_sampled_walk_draws_every_depth_from_p_and_never_accepts_p_zero():
+    """TREE with random p at every slot: the depth-1 token follows p at the root and the
+    depth-2 token after the first root child follows p at its slot (chi-square), in row 0
+    (root -> {3, 4}, 3 -> {5, 6}, 5 -> {7}; 4 has p = 0 at the root, 6 has p = 0 after 3, 7
+    is invalid: never accepted) and row 1 (root -> {10, 13}, both likely: the second child's
+    test must see what is left after the first's rejection)."""
+    vocab, rows = 16, 20000
+    tree = dataclasses.replace(TREE, valid=TREE.valid.at[0, 4].set(False))
+    scores = jax.random.normal(jax.random.key(1), (2, 6, vocab))  # [B, N+1, V]
+    scores = scores.at[0, 0, 4].set(-jnp.inf).at[0, 1, 6].set(-jnp.inf)
+    scores = scores.at[0, 0, 3].set(3.0).at[0, 1, 5].set(3.0)  # accepted often enough
+    scores = scores.at[1, 0, 10].set(2.5).at[1, 0, 13].set(2.5).at[1, 1, 11].set(3.0)
+    p = np.exp(np.asarray(scores, np.float64))
+    p = p / p.sum(-1, keepdims=True)  # [B, N+1, V]
+    n, path, fix = (np.asarray(a).reshape((rows, 2) + np.shape(a)[1:])
+                    for a in sampled(tree, scores, rows))  # [R, B, ...]
+    for b in range(2):
+        node_token = np.asarray(tree.tokens[b])[np.maximum(path[:, b], 1) - 1]  # [R, D+1]
+        first = np.where(n[:, b] >= 1, node_token[:, 1], fix[:, b])  # [R]
+        assert chi_square(np.bincount(first, minlength=vocab), p[b, 0]) > 1e-3
+        after = path[:, b, 1] == 1  # [R] the first root child (slot 1) accepted
+        second = np.where(n[:, b] >= 2, node_token[:, 2], fix[:, b])[after]
+        assert chi_square(np.bincount(second, minlength=vocab), p[b, 1]) > 1e-3
+        assert 0.2 < np.mean(after) < 0.8 and np.mean(n[:, b] >= 2) > 0.1
+    assert not np.any(path[:, 0] == 2) and not np.any(path[:, 0] == 4)  # 4, 6: p = 0
+    assert not np.any(path[:, 0] == 5) and n[:, 0].max() == 2  # 7 is invalid
+    assert np.mean(path[:, 1, 1] == 4) > 0.1  # row 1: 13 tested after 10's rejection
+
+
+@pytest.mark.slow
+def test_sampling_with_a_tree_is_lossless():
+    """A tiny-vocabulary target and MTP drafter, a tree of 6 nodes (width 2, depth 3): the
+    first three new tokens (the prefill's, then the first round's depths 1 and 2) follow
+    the exact joint, and so do the first and second tokens' marginals."""
+    (model, params), assistant = _tiny_vocab_target_and_drafter()
+    prompt, rows = [2, 3, 2, 3, 2], 4000
+    cfg = tree_config(max_new=5, nodes=6, width=2, depth=3, do_sample=True,
+                      temperature=TEMPERATURE, top_k=TOP_K)
+    out = run((model, params), cfg, [prompt] * rows, assistant, key=jax.random.key(11))
+    p1 = next_probs(model, params, [prompt])[0]  # [V]
+    p2 = next_probs(model, params, [prompt + [a] for a in range(SMALL_V)])  # [V, V]
+    p3 = next_probs(model, params, [prompt + [a, b] for a in range(SMALL_V)
+                                    for b in range(SMALL_V)]).reshape((SMALL_V,) * 3)
+    joint = p1[:, None, None] * p2[:, :, None] * p3  # [V, V, V]
+    new = np.asarray(out.sequences)[:, len(prompt):len(prompt) + 3]  # [rows, 3]
+    counts = np.zeros((SMALL_V,) * 3)
+    np.add.at(counts, (new[:, 0], new[:, 1], new[:, 2]), 1)
+    assert chi_square(counts.sum((1, 2)), p1) > 1e-3
+    assert chi_square(counts.sum((0, 2)), p1 @ p2) > 1e-3  # sum_a p(a) p(. | a)
+    assert chi_square(counts, joint) > 1e-3
+    stats = out.speculative
+    accepted, drafted = int(np.sum(stats.accepted)), int(np.sum(stats.drafted))
+    assert 0 < accepted < drafted  # some nodes accepted, some rejected
+    assert int(np.sum(np.asarray(stats.position_accepted)[:, 1])) > 0  # depth 2 accepted
+
+
+def test_seeded_tree_sampling_is_reproducible_and_rows_do_not_depend_on_their_neighbours():
+    cfg = tree_config(max_new=12, nodes=8, width=2, depth=3, do_sample=True, temperature=0.9)
+    assistant = near_bigram_drafter(LLAMA[0], kv_layers=(2, 0))
+    keys = jax.random.split(jax.random.key(5), len(RAGGED))
+    batched = run(LLAMA, cfg, RAGGED, assistant, key=keys)
+    again = run(LLAMA, cfg, RAGGED, assistant, key=keys)
+    chex.assert_trees_all_equal(again.sequences, batched.sequences)
+    order = [2, 0, 3, 1]  # the same rows (and keys) in another order: the same program
+    before = jaxgen.trace_count()
+    moved = run(LLAMA, cfg, [RAGGED[b] for b in order], assistant, key=keys[np.array(order)])
+    assert jaxgen.trace_count() == before
+    tokens, lengths = np.asarray(batched.sequences), np.asarray(batched.lengths)
+    for i, b in enumerate(order):
+        n = int(lengths[b])
+        assert int(moved.lengths[i]) == n
+        np.testing.assert_array_equal(np.asarray(moved.sequences)[i, :n], tokens[b, :n])
+    stats = batched.speculative
+    assert 0 < int(np.sum(stats.accepted)) < int(np.sum(stats.drafted))
+    other = run(LLAMA, cfg, RAGGED, assistant, key=jax.random.split(jax.random.key(6), 4))
+    assert not np.array_equal(np.asarray(other.sequences), tokens)  # the key matters
+
+
+@pytest.mark.slow
+def test_a_sampled_tree_row_equals_the_row_run_alone():
+    cfg = tree_config(max_new=12, nodes=8, width=2, depth=3, do_sample=True, temperature=0.9)
+    assistant = near_bigram_drafter(LLAMA[0], kv_layers=(2, 0))
+    keys = jax.random.split(jax.random.key(5), len(RAGGED))
+    tokens = np.asarray(run(LLAMA, cfg, RAGGED, assistant, key=keys).sequences)
+    for b, prompt in enumerate(RAGGED):
+        alone = np.asarray(run(LLAMA, cfg, [prompt], assistant, key=keys[b:b + 1]).sequences)
+        n = len(prompt) + 12
+        np.testing.assert_array_equal(alone[0, :n], tokens[b, :n])

@@ -281,7 +281,8 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
     if cfg.assistant_tree_nodes is not None and drafter is None:
         raise ValueError(f"`assistant_tree_nodes`={cfg.assistant_tree_nodes} applies to "
                          f"assisted decoding with an MTP drafter (pass assistant_model="
-                         f"(MtpDrafterModel, params)); allowed without one: "
+                         f"(MtpDrafterModel, params)) or prompt lookup (set "
+                         f"prompt_lookup_num_tokens); allowed without one: "
                          f"assistant_tree_nodes=None")
     if drafter is not None and custom is not None:
         raise ValueError("custom_generate replaces the decoding loop: it cannot be combined "

@@ -106,8 +106,9 @@ class KVCache:
                       ) -> tuple[jax.Array, "KVCache"]:
         """Writes the new K/V, then attends (queries at `positions`). Returns (out, cache)."""
         cache = self.update(layer, k_new, v_new, positions)
-        return cache.attend(layer, q, positions, scale=scale, window=window,
-                            softcap=softcap, tree_mask=tree_mask), cache
+        tree = {} if tree_mask is None else {"tree_mask": tree_mask}  # kinds without trees too
+        return cache.attend(layer, q, positions, scale=scale, window=window, softcap=softcap,
+                            **tree), cache
 
     def move_slots(self, src: jax.Array, dst: jax.Array) -> "KVCache":
         """Every layer's K/V at each row's slots src int32 [B, S] copied to slots dst [B, S]

@@ -298,7 +298,8 @@ TREE_WIDTH_MAX = 8  # assistant_tree_width
 
 def validate_tree_fields(cfg) -> None:
     """Token-tree verification (jaxgen.speculative.tree_loop): `assistant_tree_nodes` None or
-    an int in [1, 64], `assistant_tree_width` an int in [1, 8]; greedy only (for now).
+    an int in [1, 64], `assistant_tree_width` an int in [1, 8]; greedy or sampling (lossless),
+    not with the ensemble weight.
 
     Example:
         >>> from jaxgen import GenerationConfig
@@ -318,9 +319,6 @@ def validate_tree_fields(cfg) -> None:
     if cfg.assistant_tree_width > TREE_WIDTH_MAX:
         raise ValueError(f"`assistant_tree_width`={cfg.assistant_tree_width!r} is out of range "
                          f"(allowed: an int in [1, {TREE_WIDTH_MAX}])")
-    if nodes is not None and cfg.do_sample:
-        raise ValueError("`assistant_tree_nodes` (token-tree verification) is greedy only for "
-                         "now (allowed: do_sample=False, or assistant_tree_nodes=None)")
     if nodes is not None and cfg.assistant_ensemble_weight is not None:
         raise ValueError("`assistant_tree_nodes` (token-tree verification) cannot be combined "
                          "with `assistant_ensemble_weight` (allowed: "

@@ -128,10 +128,12 @@ HF_DEFAULTS: dict[str, Any] = {
     "assistant_verify_cost": (0.5, 0.12),
     "assistant_probe_interval": 8,
     # jaxgen-specific: token-tree verification (jaxgen.speculative.tree_loop) with an MTP
-    # drafter assistant: each round drafts a tree of `assistant_tree_nodes` nodes per row
-    # (chosen by cumulative draft probability; `assistant_tree_width` children per expanded
-    # node, depth max_assistant_tokens or num_assistant_tokens) and verifies it in one forward
-    # with tree attention. None: a chain of drafts. Greedy only for now. Static.
+    # drafter assistant or prompt lookup: each round drafts a tree of `assistant_tree_nodes`
+    # nodes per row (MTP drafter: by cumulative draft probability, `assistant_tree_width`
+    # children per expanded node; prompt lookup: `assistant_tree_width` distinct matches
+    # merged into a trie; depth max_assistant_tokens, num_assistant_tokens or
+    # prompt_lookup_num_tokens) and verifies it in one forward
+    # with tree attention (greedy, or sampling: lossless). None: a chain of drafts. Static.
     "assistant_tree_nodes": None,
     "assistant_tree_width": 2,
     # Classifier-free guidance (Hugging Face's UnbatchedClassifierFreeGuidanceLogitsProcessor,

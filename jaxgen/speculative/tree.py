@@ -1,5 +1,5 @@
 """Token trees as arrays: the ancestor mask a tree verify forward attends with, each node's
-path, and greedy path acceptance.
+path, and greedy and sampled path acceptance.
 
 A round's tree holds N draft nodes per row below the root (the row's newest verified token,
 tokens[L-1]); nodes come in an order where every parent precedes its children:
@@ -22,6 +22,17 @@ siblings hold distinct tokens, so at most one node per depth matches):
 
 The emitted tokens (path tokens, then fix) are exactly plain greedy's, as for a chain.
 
+Sampled acceptance (`accept_sampled_path`; each node is a point mass, no draft q is needed):
+walk down from the root; at slot s with r = p_s (the processed target distribution there)
+test s's valid children in node order: accept child c with probability r(c) / sum(r) (then
+move to c's slot with a fresh r = p there); a rejected child's token is zeroed in r. When
+every child is rejected (or there is none) the fix is drawn from r. Lossless: testing
+candidates one by one ("is the draw c? else is it c'? ...") against the renormalised
+remainder is a categorical draw from p_s split into sequential checks, so the token emitted
+at every depth follows p given its prefix exactly, whatever the tree holds (its nodes depend
+only on the row's past; each check uses its own uniform). One pass over the nodes in order
+does the walk, since a node's children come after it.
+
 Example (one row: the root's children 5 and 7, node 2 = 9 below node 1 = 7):
     >>> import jax.numpy as jnp
     >>> tree = TokenTree(tokens=jnp.array([[5, 7, 9]]), parent=jnp.array([[-1, -1, 1]]),
@@ -32,6 +43,11 @@ Example (one row: the root's children 5 and 7, node 2 = 9 below node 1 = 7):
     >>> n, path, fix = accept_greedy_path(tree, target, max_depth=2)
     >>> int(n[0]), path[0].tolist(), int(fix[0])              # 7 then 9 accepted, then 4
     (2, [0, 2, 3], 4)
+    >>> scores = jnp.log(jax.nn.one_hot(target, 10))         # p one-hot at the same argmax
+    >>> n, path, fix = accept_sampled_path(tree, scores, jnp.full((1, 3), 0.5),
+    ...                                    jax.random.split(jax.random.key(0), 1), max_depth=2)
+    >>> int(n[0]), path[0].tolist(), int(fix[0])
+    (2, [0, 2, 3], 4)
 """
 from __future__ import annotations
 
@@ -39,6 +55,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from jaxgen.logits.sampling import sample_rows
 
 
 @jax.tree_util.register_dataclass
@@ -122,6 +140,56 @@ def accept_greedy_path(tree: TokenTree, target: jax.Array, max_depth: int
     end = jnp.take_along_axis(path, n[:, None], axis=1)  # [B, 1]
     fix = jnp.take_along_axis(target, end, axis=1)[:, 0].astype(jnp.int32)  # [B]
     return n, path, fix
+
+
+def accept_sampled_path(tree: TokenTree, scores: jax.Array, uniforms: jax.Array,
+                        fix_keys: jax.Array, max_depth: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sampled acceptance over a tree (module docs): lossless multi-draft verification.
+
+    scores float32 [B, N+1, V]: the processed target scores at every slot (may hold -inf);
+    uniforms float32 [B, N] in [0, 1): node i's acceptance draw; fix_keys [B]: one key per
+    row for the fix draw. Returns (n, path, fix) as `accept_greedy_path` does."""
+    batch = scores.shape[0]
+    probs = jax.nn.softmax(scores, axis=-1)  # [B, N+1, V]
+    up = parent_slots(tree.parent)[:, 1:]  # [B, N] each node's parent slot
+    tokens = tree.tokens.astype(jnp.int32)  # [B, N]
+    at_parent = jnp.take_along_axis(probs, up[:, :, None], axis=1)  # [B, N, V]
+    p_node = jnp.take_along_axis(at_parent, tokens[:, :, None], axis=2)[:, :, 0]  # [B, N]
+    order = jnp.arange(tree.num_nodes)  # [N]
+    earlier = order[None, :, None] > order[None, None, :]  # [1, N, N] j before i
+    twin = (earlier & (up[:, :, None] == up[:, None, :])
+            & (tokens[:, :, None] == tokens[:, None, :]) & tree.valid[:, None, :])  # [B, N, N]
+    testable = tree.valid & ~jnp.any(twin, axis=2)  # [B, N] a repeated sibling: zeroed already
+    levels = jnp.arange(max_depth + 1, dtype=jnp.int32)  # [D+1]
+
+    def test(carry, node):  # one node: is it a child of the walk's current slot, accepted?
+        here, rejected_mass, path = carry  # [B], [B], [B, D+1]
+        parent, p, ok, u, depth, slot = node  # each [B]
+        tried = ok & (parent == here)  # [B]
+        accept = tried & (u * jnp.maximum(1.0 - rejected_mass, 0.0) < p)  # [B]
+        reject = tried & ~accept  # [B]
+        here = jnp.where(accept, slot, here)
+        rejected_mass = jnp.where(accept, 0.0, rejected_mass + jnp.where(reject, p, 0.0))
+        path = jnp.where(accept[:, None] & (levels[None, :] == depth[:, None]), slot[:, None],
+                         path)  # [B, D+1]
+        return (here, rejected_mass, path), reject
+
+    slot_of = jnp.broadcast_to(order + 1, (batch, tree.num_nodes)).astype(jnp.int32)  # [B, N]
+    nodes = tuple(a.T for a in (up, p_node, testable, uniforms.astype(jnp.float32),
+                                tree.depth.astype(jnp.int32), slot_of))  # each [N, B]
+    start = (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.float32),
+             jnp.zeros((batch, max_depth + 1), jnp.int32))
+    (end, _, path), rejected = jax.lax.scan(test, start, nodes)  # rejected [N, B]
+    n = jnp.take_along_axis(slot_depths(tree), end[:, None], axis=1)[:, 0]  # [B]
+    zeroed = rejected.T & (up == end[:, None])  # [B, N] the end slot's rejected children
+    here = jnp.take_along_axis(scores, end[:, None, None], axis=1)[:, 0]  # [B, V]
+    rows = jnp.arange(batch)[:, None]
+    vocab = here.shape[-1]
+    residual = here.at[rows, jnp.where(zeroed, tokens, vocab)].set(-jnp.inf, mode="drop")
+    empty = ~jnp.any(residual > -jnp.inf, axis=-1, keepdims=True)  # [B, 1] rounding only
+    fix = sample_rows(jnp.where(empty, here, residual), fix_keys)  # [B]
+    return n.astype(jnp.int32), path, fix
 
 
 def along_path(values: jax.Array, path: jax.Array) -> jax.Array:

@@ -10,15 +10,21 @@ positions < L - 1):
               depth)                                                      one forward
     scores    the processors at every slot, with the row's tokens followed by the slot's
               own path (its prefix), so the scores are exactly plain decoding's
-    accept    the longest path whose every node is the target's argmax at its parent, then
-              the target's argmax at its end: out [B, D+1] as a chain (jaxgen.speculative.tree)
+    accept    greedy: the longest path whose every node is the target's argmax at its
+              parent, then the target's argmax at its end; sampling: the walk that tests
+              each slot's children as point masses against the remaining target mass, then
+              a draw from what is left (lossless): out [B, D+1] as a chain
+              (jaxgen.speculative.tree)
     K/V       the path's slots moved to L .. L+n (cache.move_slots); the rest rolled back by
               length, as for a chain
     emit      as the chain loop does (jaxgen.speculative.loop.emit_accepted): stops, records
 
-Greedy only: the emitted tokens are plain greedy's. Every round verifies the whole tree (no
-width buckets, no plain-step fallback, no draft-length schedule). `SpeculativeStats` counts
-valid nodes as drafted, the path as accepted, N + 1 verified positions per round.
+Greedy tokens are plain greedy's; sampled tokens follow the target's distribution exactly,
+each row drawing from its own key folded with its length (tags 1: the nodes' acceptance
+uniforms, 2: the fix draw, as the chain loop does), so a row's tokens never depend on the
+batch. Every round verifies the whole tree (no width buckets, no plain-step fallback, no
+draft-length schedule). `SpeculativeStats` counts valid nodes as drafted, the path as
+accepted, N + 1 verified positions per round.
 
 Example (tests/test_token_tree.py runs it end to end):
     >>> from jaxgen.speculative.drafters.mtp_tree import MtpTreeDrafter
@@ -44,10 +50,17 @@ from jaxgen.core.step import prefill, processor_context
 from jaxgen.logits.chain import process_logits
 from jaxgen.loops.decode import choose_and_write
 from jaxgen.speculative import verify
-from jaxgen.speculative.loop import AssistInputs, SpecCarry, SpeculativeLoop, emit_accepted
+from jaxgen.speculative.loop import (
+    AssistInputs,
+    SpecCarry,
+    SpeculativeLoop,
+    _round_keys,
+    emit_accepted,
+)
 from jaxgen.speculative.tree import (
     TokenTree,
     accept_greedy_path,
+    accept_sampled_path,
     along_path,
     ancestor_mask,
     path_tokens,
@@ -71,9 +84,9 @@ def tree_loop_for(drafter, ext: Extensions, state: DecodeState, cfg: GenerationC
     make = getattr(drafter, "tree_drafter", None)
     if make is None:
         raise ValueError(f"`assistant_tree_nodes`={nodes} needs an MTP drafter assistant "
-                         f"(assistant_model=(MtpDrafterModel, params)); "
-                         f"{type(drafter).__name__} drafts chains only (allowed: "
-                         f"assistant_tree_nodes=None)")
+                         f"(assistant_model=(MtpDrafterModel, params)) or prompt lookup "
+                         f"(prompt_lookup_num_tokens); {type(drafter).__name__} drafts "
+                         f"chains only (allowed: assistant_tree_nodes=None)")
     model = state.model
     if not _accepts_tree_mask(model.__call__):
         raise ValueError(f"`assistant_tree_nodes`={nodes}: the model ({type(model).__name__}) "
@@ -151,8 +164,14 @@ def tree_round(params, inputs: AssistInputs, state: DecodeState, carry: SpecCarr
                           tree_mask=ancestor_mask(tree.parent))
     raw = forward.logits.astype(jnp.float32)  # [B, N+1, V]
     scores = _tree_scores(cfg, raw, state, tree, D, ext.logits_processor)  # [B, N+1, V]
-    target = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [B, N+1]
-    n, path, fix = accept_greedy_path(tree, target, D)  # [B], [B, D+1], [B]
+    if cfg.do_sample:  # per-row draws: fold_in(row key, L), tags 1 (uniforms) and 2 (fix)
+        tag = _round_keys(state)
+        uniforms = jax.vmap(lambda key: jax.random.uniform(key, (tree.num_nodes,)))(
+            tag(1))  # [B, N]
+        n, path, fix = accept_sampled_path(tree, scores, uniforms, tag(2), D)
+    else:
+        target = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [B, N+1]
+        n, path, fix = accept_greedy_path(tree, target, D)  # [B], [B, D+1], [B]
     drafts = along_path(tokens, path)[:, 1:]  # [B, D] the path's tokens (past n: unused)
     out = verify.assemble(drafts, n, fix, state.pad)  # [B, D+1]
     emitted = emit_accepted(state, record, cfg, ext, out, n, along_path(scores, path),

@@ -11,7 +11,9 @@ predicted t; jaxgen.speculative.drafters.mtp_assistant drafts a chain from the s
 
 D = the draft width K (max_assistant_tokens or num_assistant_tokens) is the tree's depth; a
 round costs D drafter calls and one verify forward over N + 1 positions. q is the raw draft
-distribution (the tree only ranks candidates; greedy verification is exact whatever q is).
+distribution: it only ranks candidates, and the nodes are chosen deterministically, so
+sampled verification treats each as a point mass (jaxgen.speculative.tree) and needs no q;
+both greedy and sampled verification are exact whatever q is.
 
 Example:
     >>> import jax

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from jaxgen.config.program import eos_array
 from jaxgen.core.contracts import DraftRequest, Proposal
+from jaxgen.speculative.drafters.prompt_lookup_tree import PromptLookupTreeDrafter
 
 DEFAULT_MAX_NGRAM = 2  # HF: max_matching_ngram_size or 2
 
@@ -99,6 +100,13 @@ class PromptLookupDrafter:
             return None
         ngram = cfg.max_matching_ngram_size or DEFAULT_MAX_NGRAM
         return cls(num_tokens=int(cfg.prompt_lookup_num_tokens), max_ngram=int(ngram)), None
+
+    def tree_drafter(self, nodes: int, width: int) -> PromptLookupTreeDrafter:
+        """This lookup drafting token trees (`assistant_tree_nodes` / `assistant_tree_width`):
+        up to `width` matches' continuations merged into a trie of `nodes` nodes, depth
+        num_tokens (jaxgen.speculative.drafters.prompt_lookup_tree)."""
+        return PromptLookupTreeDrafter.build(depth=self.num_tokens, max_ngram=self.max_ngram,
+                                             nodes=nodes, width=width)
 
     def init(self, draft_params, state, target_params=None):
         return None
