@@ -310,6 +310,16 @@ def test_per_prompt_keys_give_each_copy_its_own_key():
 
 
 def test_a_buffer_larger_than_memory_is_refused_before_allocating():
+    """Refused from shapes alone: the host token buffer is never allocated (numpy reports
+    its allocations to tracemalloc)."""
+    import tracemalloc
+
     model = Llama(dataclasses.replace(MODEL.config, max_position_embeddings=2**31 - 1))
-    with pytest.raises(ValueError, match="GiB"):
-        jaxgen.init_state(model, PROMPTS, jaxgen.GenerationConfig(max_new_tokens=2**30))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="GiB"):
+            jaxgen.init_state(model, PROMPTS, jaxgen.GenerationConfig(max_new_tokens=2**30))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**26, f"{peak / 2**20:.0f} MiB allocated before the refusal"

@@ -331,6 +331,17 @@ def check_fits_memory(model, cfg: GenerationConfig, batch: int, buffer_len: int,
                          f"'dynamic' / 'quantized'")
 
 
+def _check_host_buffer_fits(batch: int, buffer_len: int) -> None:
+    """ValueError when the host token buffer int32 [batch, buffer_len] alone exceeds memory."""
+    limit = available_memory_bytes()
+    needed = batch * buffer_len * 4
+    if limit is not None and needed > limit:
+        raise ValueError(f"the token buffer for {batch} row(s) x {buffer_len} positions needs "
+                         f"{needed / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB "
+                         f"available: lower max_new_tokens / max_length / max_cache_len or "
+                         f"the batch")
+
+
 def _shard_nbytes(leaf) -> int:
     """Bytes of one device's shard of an abstract array (the whole array if unsharded)."""
     sharding = getattr(leaf, "sharding", None)
@@ -534,6 +545,10 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                          f"({int((prompt_lens + budgets).max())}, prompt bucket {bucket}) does "
                          f"not fit the buffer of {buffer_len} tokens")
     pad_id = resolve_pad_id(cfg, model)
+    if mesh is None:  # shapes only, before the token buffer is allocated
+        check_fits_memory(model, cfg, batch, buffer_len, bucket, cache_dtype)
+    else:  # the cache's shards are checked once placed; the host buffer is whole here
+        _check_host_buffer_fits(batch, buffer_len)
     tokens = np.full((batch, buffer_len), pad_id, np.int32)  # [B, T]
     for b, row in enumerate(rows):
         tokens[b, :len(row)] = row
@@ -543,7 +558,6 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                                prompt_lens, budgets, bucket, pad_id, stop_tables)
         return placed if constraint is None else placed.replace(
             constraint=placed_carry(constraint, placed.batch, mesh))
-    check_fits_memory(model, cfg, batch, buffer_len, bucket, cache_dtype)
     # host arrays go over with device_put: jnp.asarray / jnp.zeros would each compile (or
     # read back from the persistent cache) a small program, a CLI run's fixed cost
     return DecodeState(
