@@ -15,11 +15,15 @@ _PUBLIC = {
     "default_config": "jaxgen.api.generate", "generate": "jaxgen.api.generate",
     "generate_ids": "jaxgen.api.generate", "trace_count": "jaxgen.api.generate",
     "generate_text": "jaxgen.api.text",
+    "generate_batch": "jaxgen.serving.offline",
+    "prefill_prefix": "jaxgen.api.prefix_prefill",
+    "continue_state": "jaxgen.core.continuation", "CachedPrefix": "jaxgen.core.cached_prefix",
     "KVCache": "jaxgen.cache",
     "GenerationConfig": "jaxgen.config.generation",
     "SynthIDTextWatermarkingConfig": "jaxgen.config.watermarking",
     "WatermarkingConfig": "jaxgen.config.watermarking",
     "GenerateOutput": "jaxgen.core.output",
+    "compute_transition_scores": "jaxgen.core.transition_scores",
     "DecodeState": "jaxgen.core.state", "init_state": "jaxgen.core.state",
     "WatermarkDetector": "jaxgen.logits.watermark.detect",
     "SynthIDTextDetector": "jaxgen.logits.watermark.synthid_detect",
@@ -32,11 +36,13 @@ _PUBLIC = {
     "validate_stopping_criteria": "jaxgen.stopping.criteria",
 }
 _PACKAGES = ("api", "backends", "cache", "cli", "config", "constraints", "core", "drivers",
-             "logits", "loops", "models", "runtime", "speculative", "stopping", "storage", "train")
+             "logits", "loops", "models", "runtime", "serving", "speculative", "stopping",
+             "storage", "train")
 
 __all__ = [
     "GenerationConfig", "DecodeState", "GenerateOutput", "KVCache", "init_state", "generate",
-    "generate_ids", "generate_text", "default_config", "trace_count", "models",
+    "generate_ids", "generate_text", "generate_batch", "default_config", "trace_count", "models",
+    "compute_transition_scores", "continue_state", "prefill_prefix", "CachedPrefix",
     "StoppingCriteriaList", "MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria",
     "StopStringCriteria", "ConfidenceCriteria", "validate_stopping_criteria",
     "WatermarkingConfig", "WatermarkDetector", "SynthIDTextWatermarkingConfig",

@@ -242,19 +242,12 @@ def smollm2():
 
 
 def scores_from_steps(out, length_penalty):
-    """HF's compute_transition_scores arithmetic: each returned row's score rebuilt from the
-    per-step running-beam scores [B*K, N, V] along its beam_indices, / new_len ** lp."""
-    scores, indices = np.asarray(out.scores), np.asarray(out.beam_indices)
-    seqs, lengths, plen = (np.asarray(out.sequences), np.asarray(out.lengths),
-                           np.asarray(out.prompt_lengths))
-    rebuilt = []
-    for i in range(len(seqs)):
-        new = lengths[i] - plen[i]
-        total = np.float32(0)
-        for j in range(new):
-            total += scores[indices[i, j], j, seqs[i, plen[i] + j]]
-        rebuilt.append(total / np.float32(float(new) ** length_penalty))
-    return np.array(rebuilt)
+    """HF's rule: each returned row's score rebuilt as the sum of its transition scores
+    (jaxgen.compute_transition_scores: the per-step running-beam scores [B*K, N, V] along
+    its beam_indices) / new_len ** lp."""
+    steps = np.asarray(jaxgen.compute_transition_scores(out))  # [B*R, N]
+    new = np.asarray(out.lengths) - np.asarray(out.prompt_lengths)  # [B*R]
+    return steps.sum(1) / (new.astype(np.float64) ** length_penalty).astype(np.float32)
 
 
 # SmolLM2's logits (30 layers, XLA vs PyTorch CPU matmuls) differ from HF's by ~1e-5 per

@@ -2,7 +2,8 @@
 they should; in git they are stored without outputs.
 
 The quickstart runs in the default suite; the vmap sweep, the speculative explorer and the
-sharding walkthrough (several SmolLM2 compiles each, one on 6 simulated devices) are slow.
+sharding walkthrough (several SmolLM2 compiles each, one on 6 simulated devices) and the Flax
+model (SmolLM2 as a Flax NNX module) are slow.
 """
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ EXPECTED = {  # notebook -> texts its outputs must contain
     "03_speculative_explorer.ipynb": ["prompt lookup", "early exit (E=24)", "image/png"],
     "04_sharding.ipynb": ["same tokens as one device: True", "programs compiled: 2",
                           "num_heads (9)", "0.33 of it per device"],
+    "05_flax_model.ipynb": ["same tokens as jaxgen's Llama: True", "Paris",
+                            "prompt lookup, same tokens as greedy: True", "missing vocab_size"],
 }
-SLOW = {"02_vmap_sweep.ipynb", "03_speculative_explorer.ipynb", "04_sharding.ipynb"}
+SLOW = {"02_vmap_sweep.ipynb", "03_speculative_explorer.ipynb", "04_sharding.ipynb",
+        "05_flax_model.ipynb"}
 
 
 def _require(module: str):

@@ -23,12 +23,17 @@ import jax
 import numpy as np
 
 from jaxgen.api.plan import canonical_config, execute, make_plan
-from jaxgen.config.generation import GenerationConfig
+from jaxgen.config.generation import (
+    GenerationConfig,
+    is_transformers_config,
+    transformers_fields,
+)
 from jaxgen.constraints.compile import resolve_constraint
 from jaxgen.core.output import GenerateOutput, outputs_to_lists
 from jaxgen.core.context import check_context, model_positions
 from jaxgen.core.state import DecodeState, check_state_shapes, init_state
 from jaxgen.drivers.chunked import end_streamers
+from jaxgen.loops.decode import DecodeLoop
 from jaxgen.loops.guidance_inputs import guidance_buffer_len
 from jaxgen.runtime.compiled import trace_count
 
@@ -73,16 +78,47 @@ def check_state_context(state: DecodeState) -> None:
     check_context(positions, np.asarray(state.prompt_len), np.asarray(state.max_new))
 
 
-def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
+def config_argument(cfg, generation_config):
+    """`cfg` or its keyword alias `generation_config=` (HF's name), not both; a
+    transformers.GenerationConfig stays as it is (see `resolve_config`)."""
+    if cfg is not None and generation_config is not None:
+        raise ValueError("pass the config once: `cfg` and `generation_config=` were both given")
+    return cfg if generation_config is None else generation_config
+
+
+def resolve_config(model, cfg, generation_config=None, **overrides: Any) -> GenerationConfig:
+    """The call's config, as HF resolves it: a jaxgen GenerationConfig (or None) through
+    `default_config`; a transformers.GenerationConfig's set fields on top of the model's
+    generation_config.json (HF fills a passed config's unset fields from it), converted
+    through `GenerationConfig.from_transformers` (what jaxgen does not implement is refused,
+    naming the field); `overrides` last."""
+    cfg = config_argument(cfg, generation_config)
+    if is_transformers_config(cfg):
+        GenerationConfig.from_transformers(cfg)  # names a refused field as the user's config's
+        return default_config(model, None, **{**transformers_fields(cfg), **overrides})
+    if cfg is not None and not isinstance(cfg, GenerationConfig):
+        raise TypeError(f"`generation_config` must be a jaxgen.GenerationConfig or a "
+                        f"transformers.GenerationConfig, got {type(cfg).__name__}")
+    return default_config(model, cfg, **overrides)
+
+
+def generate(params, state: DecodeState, cfg: GenerationConfig | None = None, *,
+             logits_processor=(),
              stopping_criteria=(), custom_generate=None, assistant_model=None,
              num_assistant_tokens=None, streamer=None, stop_event=None, chunk_size=None,
              timings=None, tokenizer=None, assistant_tokenizer=None,
              negative_prompt_ids=None, negative_prompt_attention_mask=None,
-             prefix_allowed_tokens_fn=None, layout="auto") -> GenerateOutput:
+             prefix_allowed_tokens_fn=None, layout="auto",
+             generation_config=None) -> GenerateOutput:
     """Decodes every row of `state` to completion under `cfg`. Consumes `state`.
 
+    cfg / generation_config: the config (`generation_config=` is HF's keyword for it; give
+    one): a jaxgen.GenerationConfig or a transformers.GenerationConfig (converted by
+    `GenerationConfig.from_transformers`).
+
     logits_processor / stopping_criteria / custom_generate: user hooks, static for the jit
-    (see jaxgen.core.extensions).
+    (see jaxgen.core.extensions); transformers' LogitsProcessor / StoppingCriteria objects
+    run on the host once per step (greedy / sampling, jaxgen.drivers.host_hooks).
     assistant_model: `(model, params)` of a draft model with the target's vocabulary: assisted
     (speculative) decoding, greedy or sampling (jaxgen.speculative). A config with
     `prompt_lookup_num_tokens` runs prompt lookup decoding without one.
@@ -110,6 +146,12 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
     the compiled program's key (jaxgen.runtime.backend). Tokens are the same in every layout.
     """
     try:
+        cfg = config_argument(cfg, generation_config)
+        if is_transformers_config(cfg):
+            cfg = GenerationConfig.from_transformers(cfg)
+        if cfg is None:
+            raise TypeError("generate needs a config: pass cfg (or generation_config=), the "
+                            "one the state was built with")
         check_inputs(params, state, cfg)
         plan = make_plan(state, cfg, logits_processor=logits_processor,
                          stopping_criteria=stopping_criteria, custom_generate=custom_generate,
@@ -120,11 +162,23 @@ def generate(params, state: DecodeState, cfg: GenerationConfig, *, logits_proces
                          negative_prompt_ids=negative_prompt_ids,
                          negative_prompt_attention_mask=negative_prompt_attention_mask,
                          prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, layout=layout)
+        check_continued(state, plan)
     except BaseException as error:
         end_streamers(streamer, error)
         raise
     return execute(plan, params, state, cfg)  # a streamer implies the chunked driver, which
     #                                           ends its streamers on every path
+
+
+def check_continued(state: DecodeState, plan) -> None:
+    """A continued state (init_state(prefix=), jaxgen.continue_state) runs the plain loop
+    (greedy / sampling; single, chunked or growing driver) only: ValueError otherwise."""
+    if state.cached is not None and type(plan.loop) is not DecodeLoop:
+        raise ValueError(f"a continued state (init_state(prefix=...), jaxgen.continue_state) "
+                         f"runs greedy or sampling decoding only, not "
+                         f"{type(plan.loop).__name__} (beam search, assisted decoding, "
+                         f"guidance and custom_generate prefill the whole prompt): build the "
+                         f"state with init_state from the full token lists instead")
 
 
 def default_config(model, cfg: GenerationConfig | None = None, **overrides: Any) -> GenerationConfig:
@@ -150,9 +204,12 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
                  streamer=None, stop_event=None, mesh=None, negative_prompt_ids=None,
                  negative_prompt_attention_mask=None, regex=None, json_schema=None,
                  choices=None, constraint=None, prefix_allowed_tokens_fn=None,
-                 layout="auto", truncation: str | None = None,
+                 layout="auto", truncation: str | None = None, generation_config=None,
                  **overrides: Any) -> list[list[int]]:
     """Prompt + generated ids per row, padding removed (HF's output, row by row).
+
+    cfg / generation_config: the config (one of them): a jaxgen.GenerationConfig or a
+    transformers.GenerationConfig (see `resolve_config`); `overrides` apply on top, as in HF.
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (see `generate`).
     tokenizer: needed for stop_strings, and with `assistant_tokenizer` (the assistant's) for
@@ -172,7 +229,7 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
     its last tokens, as transformers' pipelines truncate); see init_state.
     """
     try:
-        cfg = default_config(model, cfg, **overrides)
+        cfg = resolve_config(model, cfg, generation_config, **overrides)
         constraint = resolve_constraint(model, tokenizer, regex=regex, json_schema=json_schema,
                                         choices=choices, constraint=constraint,
                                         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
@@ -199,5 +256,6 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
                                      layout=layout))
 
 
-__all__ = ["GenerateOutput", "generate", "generate_ids", "default_config", "trace_count",
+__all__ = ["GenerateOutput", "generate", "generate_ids", "default_config", "resolve_config",
+           "config_argument", "trace_count",
            "outputs_to_lists", "canonical_config", "check_inputs"]

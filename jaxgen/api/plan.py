@@ -58,6 +58,7 @@ from jaxgen.core.output import GenerateOutput, trim_output
 from jaxgen.core.state import DecodeState, caller_state, program_state
 from jaxgen.drivers.chunked import DEFAULT_CHUNK, ChunkTimings, run_chunked
 from jaxgen.drivers.growing import grow_before_chunks, growing_chunk_size
+from jaxgen.drivers.host_hooks import adopt_transformers_hooks, check_host_loop
 from jaxgen.drivers.prefix_hook import prefix_fn_hook
 from jaxgen.stopping.strings import program_tables
 from jaxgen.drivers.uad import run_uad
@@ -271,6 +272,9 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
     """The plan for one call (see the module docs). Raises ValueError for any combination
     that cannot run, before anything compiles."""
     layout = check_layout(layout)
+    logits_processor, stopping_criteria = adopt_transformers_hooks(  # HF's objects: host calls
+        logits_processor, stopping_criteria, pad_token_id=state.pad_token_id,
+        traced=is_traced(state, cfg))
     ext = make_extensions(logits_processor, stopping_criteria)
     custom = resolve_custom_generate(custom_generate)
     _check_hooks(state, cfg, ext, custom)
@@ -302,6 +306,7 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
     else:
         loop = DecodeLoop(ext)
     _check_constraint(state, cfg, loop, prefix_allowed_tokens_fn, drafter)
+    check_host_loop(ext, loop)
     traced = is_traced(state, cfg, inputs)
     driver = _choose_driver(cfg, loop, traced, streamer, stop_event, prefix_allowed_tokens_fn)
     if getattr(drafter, "host_rounds", False):  # UAD: tokenizer work between rounds

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxgen import stopping
-from jaxgen.api.generate import default_config, generate, outputs_to_lists
+from jaxgen.api.generate import generate, outputs_to_lists, resolve_config
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.compile import resolve_constraint
 from jaxgen.core.state import init_state
@@ -91,8 +91,14 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
                   negative_prompt: str | Sequence[str] | None = None, regex=None,
                   json_schema=None, choices=None, constraint=None,
                   prefix_allowed_tokens_fn=None, layout="auto", truncation: str | None = None,
-                  **overrides: Any) -> list[str]:
+                  generation_config=None, **overrides: Any) -> list[str]:
     """Generates a continuation per prompt and returns only the new text of each row.
+
+    cfg / generation_config: the config (one of them; `generation_config=` is HF's name): a
+    jaxgen.GenerationConfig or a transformers.GenerationConfig (its set fields over the
+    model's generation_config.json, as HF resolves it); `overrides` apply on top.
+    logits_processor / stopping_criteria: jaxgen's traceable hooks, or transformers'
+    LogitsProcessor / StoppingCriteria objects (host calls, once per step; see jaxgen.generate).
 
     assistant_model: `(model, params)` of a draft model: assisted decoding (jaxgen.generate).
     assistant_tokenizer: the assistant's tokenizer when it differs from `tokenizer`
@@ -126,7 +132,7 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
     for a row, rather than returning its garbage text.
     """
     try:
-        cfg = default_config(model, cfg, **overrides)
+        cfg = resolve_config(model, cfg, generation_config, **overrides)
         rows = encode_prompts(tokenizer, prompts, chat=chat)
         negative = (None if negative_prompt is None else
                     encode_prompts(tokenizer, negative_prompt, chat=chat))

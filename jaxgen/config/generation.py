@@ -141,6 +141,13 @@ HF_DEFAULTS: dict[str, Any] = {
     # value never recompiles; whether guidance runs at all is part of the program). The
     # unconditional prompt is generate(negative_prompt_ids=...), else each prompt's last token.
     "guidance_scale": None,
+    # jaxgen-specific: log-probs people ask for (GenerateOutput.top_ids / top_logprobs /
+    # prompt_logprobs). `top_logprobs`=k: per new token the k most likely tokens and their
+    # log-probs under the processed scores token_logprobs uses (0: off; at most the vocab
+    # size). `prompt_logprobs`: each prompt token's log-prob given its prefix under the raw
+    # model distribution, computed during prefill. Static (they change the outputs' shapes).
+    "top_logprobs": 0,
+    "prompt_logprobs": False,
 }
 
 # Fields of HF_DEFAULTS that Hugging Face's GenerationConfig does not have.
@@ -148,7 +155,7 @@ JAXGEN_FIELDS = frozenset({"presence_penalty", "frequency_penalty", "filter_impl
                            "max_assistant_tokens", "prompt_ignore_length",
                            "assistant_fallback", "assistant_verify_cost",
                            "assistant_probe_interval", "assistant_tree_nodes",
-                           "assistant_tree_width"})
+                           "assistant_tree_width", "top_logprobs", "prompt_logprobs"})
 
 # Hugging Face fields jaxgen accepts only at their default (HF_DEFAULTS) for now: name ->
 # the feature they belong to. An issue that implements one removes it from here.
@@ -176,8 +183,10 @@ HF_FIELDS_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "output_hidden_states": ((False,), "jaxgen's models do not return hidden states"),
     "compile_config": ((), "it configures torch.compile; jaxgen always compiles with jax.jit"),
     "disable_compile": ((False,), "jaxgen always compiles the decoding loop with jax.jit"),
-    "continuous_batching_config": ((), "continuous batching is not implemented (and Hugging "
-                                       "Face deprecated passing it in GenerationConfig)"),
+    "continuous_batching_config": ((), "continuous batching runs outside generate: use "
+                                       "jaxgen.generate_batch(model, params, prompts, cfg, "
+                                       "slots=...) or jaxgen.serving.Engine (Hugging Face "
+                                       "deprecated passing it in GenerationConfig)"),
     "is_assistant": ((False,), "Hugging Face sets it on its own copy of a draft model's "
                                "config; pass the draft model as generate(..., "
                                "assistant_model=(model, params)) instead"),
@@ -243,6 +252,20 @@ def _as_id_tuple(name: str, value) -> tuple[int, ...] | None:
     return tuple(int(t) for t in ids)
 
 
+def is_transformers_config(value) -> bool:
+    """Whether `value` is a transformers.GenerationConfig (duck-typed, no import)."""
+    return (type(value).__module__ or "").startswith("transformers") and callable(
+        getattr(value, "to_dict", None))
+
+
+def transformers_fields(config) -> dict[str, Any]:
+    """The fields a transformers.GenerationConfig sets (its `to_diff_dict()`, else the
+    non-None entries of `to_dict()`)."""
+    diff = getattr(config, "to_diff_dict", None)
+    data = diff() if callable(diff) else config.to_dict()
+    return {k: v for k, v in dict(data).items() if v is not None}
+
+
 class GenerationConfig:
     """Generation settings with Hugging Face's names and defaults.
 
@@ -282,6 +305,24 @@ class GenerationConfig:
         merged = {k: v for k, v in data.items() if v is not None}
         merged.update(overrides)
         return cls(**merged)
+
+    @classmethod
+    def from_transformers(cls, config, **overrides: Any) -> "GenerationConfig":
+        """A `transformers.GenerationConfig` object's fields, converted one by one through
+        `from_dict` (the generation_config.json path: a field jaxgen does not implement is
+        refused, naming it); `overrides` apply on top. transformers is not imported.
+
+        >>> import types
+        >>> hf = types.SimpleNamespace(to_diff_dict=lambda: {"max_new_tokens": 5})
+        >>> GenerationConfig.from_transformers(hf, do_sample=True)
+        GenerationConfig(max_new_tokens=5, do_sample=True)
+        """
+        fields = transformers_fields(config)
+        try:
+            return cls.from_dict(fields, **overrides)
+        except ValueError as error:
+            raise ValueError(f"generation_config (a transformers.GenerationConfig): {error}"
+                             ) from None
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, **overrides: Any) -> "GenerationConfig":
@@ -378,6 +419,9 @@ class GenerationConfig:
                                  f"not support yet (allowed: {allowed})")
         check_bool("do_sample", self.do_sample)
         check_bool("use_mtp", self.use_mtp)
+        check_int("top_logprobs", self.top_logprobs, low=0,
+                  allowed="an int >= 0 and at most the vocabulary size (0: off)")
+        check_bool("prompt_logprobs", self.prompt_logprobs)
         for name in ("assistant_lookbehind", "target_lookbehind"):
             check_int(name, getattr(self, name), low=1,
                       allowed="an int >= 1 (tokens compared when aligning the assistant's and "
@@ -434,6 +478,11 @@ class GenerationConfig:
         check_float("length_penalty", self.length_penalty, allowed="a finite float")
         check_int("num_return_sequences", self.num_return_sequences, low=1)
         returns = self.num_return_sequences
+        if self.num_beams > 1 and self.top_logprobs:
+            raise ValueError(f"`top_logprobs`={self.top_logprobs} is not supported with beam "
+                             f"search (num_beams={self.num_beams}); use "
+                             f"jaxgen.compute_transition_scores with output_scores=True "
+                             f"(allowed: top_logprobs=0 with num_beams > 1)")
         if returns > 1 and self.num_beams == 1 and not self.do_sample:
             raise ValueError(f"greedy decoding (do_sample=False, num_beams=1) does not support "
                              f"`num_return_sequences` > 1 (got {returns}); set num_beams >= "
@@ -580,6 +629,9 @@ class GenerationConfig:
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks the token ids the config names against the vocabulary."""
         config_checks.validate_processor_ids(self, vocab_size)
+        if self.top_logprobs > vocab_size:
+            raise ValueError(f"`top_logprobs`={self.top_logprobs} is more than the vocabulary "
+                             f"size (allowed: 0..{vocab_size})")
         for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
             value = getattr(self, name)
             ids = value if isinstance(value, tuple) else ((value,) if value is not None else ())

@@ -19,10 +19,16 @@ recompiles).
     custom_generate    replaces the whole decoding loop: a callable `(params, state, cfg) ->
                        GenerateOutput | DecodeState`, traced inside the same jit; or a string
                        "pkg.module:function" / "pkg.module" (which must expose `generate`),
-                       the offline equivalent of HF's hub repository name. It receives the
+                       the offline equivalent of HF's hub repository name (a Hub name,
+                       "org/repo", is refused: jaxgen never downloads or runs remote
+                       code). It receives the
                        logits_processor / stopping_criteria given alongside as keyword
                        arguments when its signature accepts them; otherwise passing them
                        together is an error (never silently dropped).
+
+Hugging Face's own `LogitsProcessor` / `StoppingCriteria` objects (and their lists) are
+accepted too: `jaxgen.api.plan` wraps them (jaxgen.drivers.host_hooks) to run on the host once
+per step, with greedy and sampling; under jax.jit / vmap they are refused.
 
 Example:
     >>> import jax, jax.numpy as jnp, jaxgen
@@ -63,6 +69,15 @@ class Extensions:
 
 NO_EXTENSIONS = Extensions()
 
+# What an error about an untraceable hook points to.
+TRACEABLE_HOOKS = ("a logits processor `(scores [B, V], ctx) -> scores` or a stopping "
+                   "criterion `(ctx, scores) -> bool [B]` written with jax.numpy, see "
+                   "jaxgen.core.extensions")
+
+
+def _transformers_object(item) -> bool:
+    return any((cls.__module__ or "").startswith("transformers") for cls in type(item).__mro__)
+
 
 def _as_tuple(name: str, value) -> tuple:
     if value is None:
@@ -76,6 +91,10 @@ def _as_tuple(name: str, value) -> tuple:
                          f"{value!r}") from None
     items = tuple(c for item in items for c in flatten_criteria(item))
     for item in items:
+        if _transformers_object(item):
+            raise ValueError(f"`{name}`: {item!r} is a transformers object; generate runs it "
+                             f"on the host (jaxgen.drivers.host_hooks), a loop built by hand "
+                             f"needs {TRACEABLE_HOOKS}")
         if isinstance(item, MaxTimeCriteria):
             raise ValueError(f"`{name}`: MaxTimeCriteria reads the host clock and cannot run "
                              f"inside the compiled loop; pass GenerationConfig(max_time="
@@ -103,6 +122,12 @@ def resolve_custom_generate(custom_generate) -> Callable[..., Any] | None:
     if not isinstance(custom_generate, str) or not custom_generate:
         raise ValueError(f"`custom_generate` must be a callable or a 'pkg.module[:function]' "
                          f"string, got {custom_generate!r}")
+    if "/" in custom_generate and ":" not in custom_generate:
+        raise ValueError(f"`custom_generate`={custom_generate!r} looks like a Hugging Face Hub "
+                         f"repository: jaxgen never downloads or runs remote code, so Hub "
+                         f"repositories are not fetched. Pass a local module as "
+                         f"'pkg.module:function' (or 'pkg.module' exposing `generate`), or the "
+                         f"callable itself")
     module_name, _, attr = custom_generate.partition(":")
     attr = attr or "generate"
     try:

@@ -6,6 +6,10 @@ Example:
     >>> record = StepRecord.empty(2, 3, 5, GenerationConfig(output_scores=True))
     >>> record.token_logprobs.shape, record.scores.shape, record.logits is None
     ((2, 3), (2, 3, 5), True)
+    >>> record = StepRecord.empty(1, 3, 5, GenerationConfig(top_logprobs=2))
+    >>> record = record.write(0, jnp.zeros(1), jnp.log(jnp.array([[.1, .5, .1, .3, 0.]])), None)
+    >>> record.top_ids[0, 0].tolist(), record.top_logprobs.shape
+    ([1, 3], (1, 3, 2))
 """
 from __future__ import annotations
 
@@ -31,12 +35,27 @@ class StepRecord:
     token_logprobs: jax.Array  # float32 [B, N]
     scores: jax.Array | None  # float32 [B, N, V] processed scores (output_scores)
     logits: jax.Array | None  # float32 [B, N, V] raw logits (output_logits)
+    top_ids: jax.Array | None = None  # int32 [B, N, k] most likely tokens (top_logprobs=k)
+    top_logprobs: jax.Array | None = None  # float32 [B, N, k] their log-probs, descending
+    prompt_logprobs: jax.Array | None = None  # float32 [B, P] (prompt_logprobs; prefill)
 
     @classmethod
     def empty(cls, batch: int, steps: int, vocab: int, cfg: GenerationConfig) -> "StepRecord":
         full = lambda on: jnp.zeros((batch, steps, vocab), jnp.float32) if on else None  # noqa: E731
+        k = int(cfg.top_logprobs)
         return cls(token_logprobs=jnp.zeros((batch, steps), jnp.float32),
-                   scores=full(cfg.output_scores), logits=full(cfg.output_logits))
+                   scores=full(cfg.output_scores), logits=full(cfg.output_logits),
+                   top_ids=jnp.zeros((batch, steps, k), jnp.int32) if k else None,
+                   top_logprobs=jnp.zeros((batch, steps, k), jnp.float32) if k else None)
+
+    def _top(self, scores):
+        """(ids, log-probs) of the k most likely tokens of processed scores [..., V] under
+        the log-softmax token_logprobs uses, each [..., k]; (None, None) when k = 0."""
+        if self.top_ids is None:
+            return None, None
+        logprobs = jax.nn.log_softmax(scores.astype(jnp.float32), axis=-1)  # [..., V]
+        values, ids = jax.lax.top_k(logprobs, self.top_ids.shape[-1])  # [..., k]
+        return ids.astype(jnp.int32), values
 
     @classmethod
     def for_state(cls, state, cfg: GenerationConfig) -> "StepRecord":
@@ -47,16 +66,22 @@ class StepRecord:
     def write(self, step, logprobs, scores, logits) -> "StepRecord":
         """Step `step` (int32 []) of every row: logprobs [B], scores / logits [B, V]."""
         put = lambda buf, value: None if buf is None else buf.at[:, step].set(value)  # noqa: E731
-        return StepRecord(token_logprobs=self.token_logprobs.at[:, step].set(logprobs),
-                          scores=put(self.scores, scores), logits=put(self.logits, logits))
+        top_ids, top_logprobs = self._top(scores)  # [B, k] each
+        return dataclasses.replace(
+            self, token_logprobs=self.token_logprobs.at[:, step].set(logprobs),
+            scores=put(self.scores, scores), logits=put(self.logits, logits),
+            top_ids=put(self.top_ids, top_ids), top_logprobs=put(self.top_logprobs, top_logprobs))
 
     def write_rows(self, step, logprobs, scores, logits) -> "StepRecord":
         """Per-row steps: step int32 [B, S] (out of range = dropped), logprobs [B, S],
         scores / logits [B, S, V]."""
         rows = jnp.arange(step.shape[0])[:, None]
         put = lambda buf, v: None if buf is None else buf.at[rows, step].set(v, mode="drop")  # noqa: E731
-        return StepRecord(token_logprobs=put(self.token_logprobs, logprobs),
-                          scores=put(self.scores, scores), logits=put(self.logits, logits))
+        top_ids, top_logprobs = self._top(scores)  # [B, S, k] each
+        return dataclasses.replace(
+            self, token_logprobs=put(self.token_logprobs, logprobs),
+            scores=put(self.scores, scores), logits=put(self.logits, logits),
+            top_ids=put(self.top_ids, top_ids), top_logprobs=put(self.top_logprobs, top_logprobs))
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +102,12 @@ class GenerateOutput:
                                       (b*num_beams + beam per new token, -1 past the end), else None
     speculative     SpeculativeStats  assisted modes (assistant_model / prompt lookup): acceptance
                                       statistics (jaxgen.core.speculative_stats.SpeculativeStats), else None
+    top_ids         int32 [B, N, k]   cfg.top_logprobs = k > 0: the k most likely tokens of each
+                                      step, most likely first (same distribution as token_logprobs)
+    top_logprobs    float32 [B, N, k] their log-probs (log_softmax of the processed scores)
+    prompt_logprobs float32 [B, P]    cfg.prompt_logprobs: log-prob of prompt token p given tokens
+                                      < p under the raw model (log_softmax of the logits); 0 at
+                                      p = 0 and at the padding past each row's prompt, else None
 
     Beam modes (num_beams > 1) return R = num_return_sequences rows per prompt, batch-major
     (rows b*R .. b*R+R-1 belong to prompt b, best first); `scores` / `logits` then hold the
@@ -96,6 +127,9 @@ class GenerateOutput:
     sequences_scores: Optional[jax.Array] = None
     beam_indices: Optional[jax.Array] = None
     speculative: Optional["SpeculativeStats"] = None
+    top_ids: Optional[jax.Array] = None
+    top_logprobs: Optional[jax.Array] = None
+    prompt_logprobs: Optional[jax.Array] = None
 
     @classmethod
     def from_state(cls, final, record: StepRecord, stats=None) -> "GenerateOutput":
@@ -103,7 +137,9 @@ class GenerateOutput:
         return cls(sequences=final.tokens, lengths=final.length,
                    prompt_lengths=final.prompt_len, stop_reason=final.stop_reason,
                    token_logprobs=record.token_logprobs, scores=record.scores,
-                   logits=record.logits, state=final, speculative=stats)
+                   logits=record.logits, state=final, speculative=stats,
+                   top_ids=record.top_ids, top_logprobs=record.top_logprobs,
+                   prompt_logprobs=record.prompt_logprobs)
 
 
 def _first(array, count: int, axis: int):
@@ -139,7 +175,8 @@ def trim_output(out: GenerateOutput, visible_len: int | None,
         out, sequences=_first(out.sequences, int(visible_len), 1),
         token_logprobs=_first(out.token_logprobs, steps, 1),
         scores=_first(out.scores, steps, 1), logits=_first(out.logits, steps, 1),
-        beam_indices=_first(out.beam_indices, steps, 1))
+        beam_indices=_first(out.beam_indices, steps, 1),
+        top_ids=_first(out.top_ids, steps, 1), top_logprobs=_first(out.top_logprobs, steps, 1))
 
 
 def outputs_to_lists(out: GenerateOutput) -> list[list[int]]:

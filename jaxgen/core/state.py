@@ -48,6 +48,7 @@ from jaxgen.cache.sharding import (
 from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.automaton import ConstraintCarry, TokenAutomaton, start_carry
+from jaxgen.core.cached_prefix import check_prefix, fit_cache
 from jaxgen.core.context import TRUNCATIONS, check_context, model_positions, truncate_left
 from jaxgen.stopping.strings import StopStringTables
 
@@ -79,6 +80,12 @@ class DecodeState:
     # then PAD_IN_ARRAY), so a new pad id (HF: the first EOS id of a model without one) reuses
     # the program. Read `state.pad` inside a loop.
     pad_array: Optional[jax.Array] = None
+    # A continued state (jaxgen.core.cached_prefix): each row's first `cached` tokens already
+    # have their K/V in `cache`, so the prefill runs only positions cached .. prompt_len - 1,
+    # as one right-padded block of `prefill_width` positions (static). None: the whole prompt
+    # bucket (cached = 0), today's prefill.
+    cached: Optional[jax.Array] = None  # int32 [B]
+    prefill_width: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def pad(self):
@@ -467,7 +474,7 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
                lengths=None, max_new_tokens=None, cache_dtype=jnp.float32,
                buffer_len: int | None = None, tokenizer=None, mesh=None,
                process_local: bool = False, constraint: TokenAutomaton | None = None,
-               truncation: str | None = None) -> DecodeState:
+               truncation: str | None = None, prefix=None) -> DecodeState:
     """Builds the initial decoding state for a batch of prompts.
 
     prompts: a list of token-id lists (ragged), or a padded [B, S] array with `lengths`.
@@ -499,12 +506,19 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     constraint: a jaxgen.constraints.automaton.TokenAutomaton (e.g. from
     jaxgen.constraints.compile.compile_constraint): every row starts at its initial state and
     every mode masks and advances it (jaxgen.constraints.automaton).
+    prefix: a jaxgen.CachedPrefix (jaxgen.prefill_prefix, jaxgen.continue_state): its tokens
+    go before every prompt and its cache is copied into every row, so the prefill computes
+    only each prompt's own tokens (`DecodeState.cached`); same tokens as without it. One
+    cached row is shared by every row; otherwise one per prompt (no copies then).
     """
     cfg = cfg if cfg is not None else GenerationConfig()
     if not isinstance(cfg, GenerationConfig):
         raise TypeError(f"cfg must be a jaxgen.GenerationConfig, got {type(cfg).__name__}")
     check_cache_dtype(cache_dtype)
     rows = _prompt_rows(prompts, lengths)
+    source = cached = None
+    if prefix is not None:
+        rows, source, cached = _after_prefix(prefix, model, rows, cfg, mesh, truncation)
     vocab_size = model.vocab_size
     _validate_rows(rows, vocab_size)
     cfg.validate_for_model(vocab_size)
@@ -534,6 +548,11 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     if process_local:  # every process must build the same program: agree on the shapes
         longest, most = _agree_across_processes(batch, longest, most)
     bucket = prompt_bucket(longest)
+    width = None
+    if prefix is not None:  # prefill only positions cached .. prompt_len - 1, a block of width
+        cached = np.minimum(np.repeat(cached, copies), prompt_lens - 1).astype(np.int32)  # [B]
+        width = prompt_bucket(int((prompt_lens - cached).max()))
+        bucket = prompt_bucket(int(cached.max()) + width)
     visible_len = None
     if buffer_len is None and mesh is None:  # one program per bucket of budgets
         visible_len = bucket + most
@@ -560,6 +579,9 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
             constraint=placed_carry(constraint, placed.batch, mesh))
     # host arrays go over with device_put: jnp.asarray / jnp.zeros would each compile (or
     # read back from the persistent cache) a small program, a CLI run's fixed cost
+    cache = init_cache_for(model, cfg, batch, buffer_len, bucket, cache_dtype)
+    if prefix is not None:
+        cache = fit_cache(prefix.cache, cache, np.repeat(source, copies), cached)
     return DecodeState(
         tokens=jax.device_put(tokens),
         length=jax.device_put(prompt_lens),
@@ -567,7 +589,7 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         max_new=jax.device_put(budgets),
         done=jax.device_put(np.zeros((batch,), bool)),
         stop_reason=jax.device_put(np.zeros((batch,), np.int32)),
-        cache=init_cache_for(model, cfg, batch, buffer_len, bucket, cache_dtype),
+        cache=cache,
         key=row_keys(key, batch),
         model=model,
         prompt_bucket=bucket,
@@ -575,7 +597,26 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         stop_tables=stop_tables,
         constraint=None if constraint is None else start_carry(constraint, batch),
         visible_len=visible_len,
+        cached=None if prefix is None else jax.device_put(cached),
+        prefill_width=width,
     )
+
+
+def _after_prefix(prefix, model, rows: list[list[int]], cfg: GenerationConfig, mesh,
+                  truncation):
+    """(rows with the prefix's tokens before each, the cached row each copies [P], how many
+    positions each holds [P]) for init_state(prefix=)."""
+    check_prefix(prefix, model)
+    if mesh is not None or truncation is not None:
+        raise ValueError("init_state(prefix=...) runs on one device without truncation: drop "
+                         "mesh= / truncation=")
+    if prefix.rows > 1 and cfg.sample_copies > 1:
+        raise ValueError("a prefix of one cached row per prompt cannot be copied to "
+                         "num_return_sequences rows: continue with num_return_sequences=1")
+    source = prefix.source_rows(len(rows))  # [P]
+    joined = [list(prefix.tokens[s]) + list(row) for s, row in zip(source, rows)]
+    cached = np.array([prefix.cached[s] for s in source], np.int32)  # [P]
+    return joined, source, cached
 
 
 def _row_budgets(cfg: GenerationConfig, prompt_lens: list[int], max_new_tokens) -> np.ndarray:

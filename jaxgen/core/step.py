@@ -52,35 +52,48 @@ def state_context(state, tokens: jax.Array | None = None,
 # ------------------------------------------------------------------------- forwards
 def prefill_tokens(model, params, tokens: jax.Array, prompt_len: jax.Array, cache,
                    chunk: int | None = None, with_hidden: bool = False,
-                   all_hidden: bool = False):
+                   all_hidden: bool = False, prompt_logprobs: bool = False, start=None):
     """Runs a right-padded prompt block tokens [B, P] through `model`; returns (cache with
     length = prompt_len, logits [B, V] of each row's last prompt token), plus that token's
-    hidden state [B, D] when `with_hidden` (every position's, [B, P, D], with `all_hidden`).
+    hidden state [B, D] when `with_hidden` (every position's, [B, P, D], with `all_hidden`),
+    plus, last, with `prompt_logprobs`, float32 [B, P]: log_softmax(logits at p - 1) at
+    tokens[:, p] (0 at p = 0 and past prompt_len; each chunk's [B, c, V] logits are reduced
+    to [B, c] before the next chunk runs).
 
     chunk: `prefill_chunk_size`: the block runs in pieces of `chunk` positions (bounded
     activation memory for long prompts; a `lax.fori_loop` over the equal pieces, so the
     program does not grow with the prompt), with the same result.
+    start: None, or int32 [B]: the block's first position per row (a continued state: the
+    cache already holds positions < start; the block is positions start .. start + P - 1).
     """
     batch, bucket = tokens.shape
-    last = (prompt_len - 1)[:, None]  # [B, 1]
+    offset = 0 if start is None else start[:, None]  # [B, 1] the block's first position
+    last = (prompt_len - 1)[:, None] - offset  # [B, 1] index of the last prompt token
     chunk = bucket if chunk is None else min(int(chunk), bucket)
 
-    def piece(begin, size, cache, logits, hidden):
+    def piece(begin, size, cache, logits, hidden, lp_sink=None):
         """Positions begin .. begin+size-1 (begin may be traced, size is static)."""
         block = jax.lax.dynamic_slice_in_dim(tokens, begin, size, axis=1)  # [B, c]
-        positions = begin + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32),
-                                             (batch, size))  # [B, c]
+        positions = begin + offset + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32),
+                                                      (batch, size))  # [B, c]
         index = jnp.clip(last - begin, 0, size - 1)  # [B, 1]
-        out = model(params, block, positions, cache, logits_index=index)
+        if prompt_logprobs:  # every position's logits: [B, c, V] for this chunk only
+            out = model(params, block, positions, cache)
+            every = out.logits.astype(jnp.float32)  # [B, c, V]
+            lp_sink = _next_token_logprobs(every, padded, begin, size, lp_sink)  # [B, P+1]
+            picked = jnp.take_along_axis(every, index[:, :, None], axis=1)[:, 0]  # [B, V]
+        else:
+            out = model(params, block, positions, cache, logits_index=index)
+            picked = out.logits[:, 0].astype(jnp.float32)  # [B, V]
         here = (last >= begin) & (last < begin + size)  # [B, 1]
-        logits = jnp.where(here, out.logits[:, 0].astype(jnp.float32), logits)  # [B, V]
+        logits = jnp.where(here, picked, logits)  # [B, V]
         if with_hidden and all_hidden:
             hidden = jax.lax.dynamic_update_slice_in_dim(
                 hidden, out.hidden.astype(hidden.dtype), begin, axis=1)  # [B, P, D]
         elif with_hidden:
             h = jnp.take_along_axis(out.hidden, index[:, :, None], axis=1)[:, 0]  # [B, D]
             hidden = jnp.where(here, h.astype(hidden.dtype), hidden)
-        return out.cache, logits, hidden
+        return out.cache, logits, hidden, lp_sink
 
     vocab = model.vocab_size
     logits = jnp.zeros((batch, vocab), jnp.float32)  # [B, V]
@@ -90,28 +103,66 @@ def prefill_tokens(model, params, tokens: jax.Array, prompt_len: jax.Array, cach
                                              jnp.int32), cache).hidden)
         width = (bucket,) if all_hidden else ()
         hidden = jnp.zeros((batch, *width, shape.shape[-1]), shape.dtype)  # [B, (P,) D]
+    lp_sink = padded = None
+    if prompt_logprobs:
+        padded = jnp.pad(tokens, ((0, 0), (0, 1)))  # [B, P+1] the next token of every position
+        lp_sink = jnp.zeros((batch, bucket + 1), jnp.float32)  # [B, P+1] entry p+1: position p's
+    carry = (cache, logits, hidden, lp_sink)
     full = bucket // chunk  # equal pieces; the remainder runs once after them
     if full == 1:
-        cache, logits, hidden = piece(0, chunk, cache, logits, hidden)
+        carry = piece(0, chunk, *carry)
     elif full > 1:
         def body(i, carry):
             return piece(i * chunk, chunk, *carry)
-        cache, logits, hidden = jax.lax.fori_loop(0, full, body, (cache, logits, hidden))
+        carry = jax.lax.fori_loop(0, full, body, carry)
     if bucket % chunk:
-        cache, logits, hidden = piece(full * chunk, bucket % chunk, cache, logits, hidden)
+        carry = piece(full * chunk, bucket % chunk, *carry)
+    cache, logits, hidden, lp_sink = carry
     cache = cache.with_length(prompt_len)
-    return (cache, logits, hidden) if with_hidden else (cache, logits)
+    result = (cache, logits, hidden) if with_hidden else (cache, logits)
+    if prompt_logprobs:
+        valid = jnp.arange(bucket)[None, :] < prompt_len[:, None] - offset  # [B, P]
+        result += (jnp.where(valid, lp_sink[:, :bucket], 0.0),)  # [B, P]
+    return result
+
+
+def _next_token_logprobs(logits: jax.Array, padded: jax.Array, begin, size: int,
+                         sink: jax.Array) -> jax.Array:
+    """sink [B, P+1] with entries begin+1 .. begin+size set to log_softmax(logits [B, c, V])
+    at the prompt's next tokens padded[:, begin+1 ..] (padded: the prompt [B, P] + 1 column)."""
+    following = jax.lax.dynamic_slice_in_dim(padded, begin + 1, size, axis=1)  # [B, c]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, c, V]
+    chosen = jnp.take_along_axis(logprobs, following[:, :, None], axis=-1)[:, :, 0]  # [B, c]
+    return jax.lax.dynamic_update_slice_in_dim(sink, chosen, begin + 1, axis=1)  # [B, P+1]
 
 
 def prefill(params, state, chunk: int | None = None, with_hidden: bool = False,
-            all_hidden: bool = False):
+            all_hidden: bool = False, prompt_logprobs: bool = False):
     """The state's prompt bucket through its model: (state with the cache filled, logits
     [B, V] of each row's last prompt token[, its hidden state [B, D] when with_hidden, every
-    prompt position's [B, P, D] with all_hidden too])."""
-    prompt = state.tokens[:, :state.prompt_bucket]  # [B, P]
+    prompt position's [B, P, D] with all_hidden too][, the prompt tokens' log-probs [B, P]
+    with prompt_logprobs, last])."""
+    if state.cached is None:
+        prompt = state.tokens[:, :state.prompt_bucket]  # [B, P]
+    else:  # a continued state: only the tokens after each row's cached ones
+        prompt = continued_block(state, prompt_logprobs)  # [B, W]
     cache, *rest = prefill_tokens(state.model, params, prompt, state.prompt_len, state.cache,
-                                  chunk, with_hidden, all_hidden)
+                                  chunk, with_hidden, all_hidden, prompt_logprobs, state.cached)
     return (state.replace(cache=cache), *rest)
+
+
+def continued_block(state, prompt_logprobs: bool = False) -> jax.Array:
+    """A continued state's prefill block int32 [B, W] (W = state.prefill_width): each row's
+    tokens at positions cached .. cached + W - 1, the pad id past its prompt
+    (jaxgen.core.cached_prefix)."""
+    if prompt_logprobs:
+        raise ValueError("prompt log-probs need the whole prompt's logits, but a continued "
+                         "state (init_state(prefix=...), jaxgen.continue_state) prefills only "
+                         "the tokens after its cached ones")
+    index = state.cached[:, None] + jnp.arange(state.prefill_width, dtype=jnp.int32)  # [B, W]
+    block = jnp.take_along_axis(state.tokens, jnp.minimum(index, state.buffer_len - 1),
+                                axis=1)  # [B, W]
+    return jnp.where(index < state.prompt_len[:, None], block, state.pad)  # [B, W]
 
 
 def forward_last(model, params, tokens: jax.Array, length: jax.Array, cache):

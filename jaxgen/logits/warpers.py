@@ -3,10 +3,11 @@
 Every function is a pure transform of scores [B, V] whose numeric parameter is a scalar or a
 per-row [B] array (a traced value is fine: nothing here recompiles when it changes).
 
-Top-k, top-p, min-p, top-H and typical-p have two implementations with identical masks up to ties:
+Top-k, top-p, min-p and typical-p have two implementations with identical masks up to ties:
 - the default *search* path finds the cut-off by a binary search over the float32 bit
   patterns (32 passes over the vocabulary, no sort; t5x's trick);
 - the *sort* path (`*_sorted`) mirrors Hugging Face's sort-based warpers step by step.
+Top-H has one (HF's top-100 selection and running sum, ties split as HF splits them).
 
 Neutral values are exact identities (temperature 1, top_k 0, top_p 1, min_p 0, typical_p 1,
 epsilon 0, eta 0), so a vmapped sweep may include them. Top-H has none (HF's warper always
@@ -184,13 +185,22 @@ def _entropy_terms(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
     return -probs * jnp.log(probs), entropy  # [B, N], [B, 1]
 
 
-def top_h_filter_sorted(scores: jax.Array, top_h) -> jax.Array:
-    """HF TopHLogitsWarper (exact path, HF's arithmetic): among the 100 most likely tokens in
-    descending order, keep the most likely one and every token whose running sum of
-    -p log p (p renormalised over those 100) stays <= top_h * their entropy.
+def top_h_filter(scores: jax.Array, top_h) -> jax.Array:
+    """HF TopHLogitsWarper, HF's arithmetic, on both paths: among the 100 most likely tokens
+    in descending order (`lax.top_k`, a partial selection, not a sort; on XLA:CPU about 10x
+    faster than a float-bit search over the vocabulary), keep the most likely one and every
+    token whose running sum of -p log p (p renormalised over those 100) stays <= top_h *
+    their entropy.
 
-    >>> top_h_filter_sorted(jnp.array([[3.0, 0.0, 2.0, -1.0]]), 0.5)
-    Array([[  3., -inf, -inf, -inf]], dtype=float32)
+    Ties: HF walks tied tokens one by one, so a tie at the cut is split, keeping as many of
+    them as fit; so does this (the kept scores are HF's, token for token in count). Which of
+    the equal-scored ids are kept follows each library's top-k order among equals: the lowest
+    ids here, torch.topk's implementation-defined order in HF.
+
+    >>> top_h_filter(jnp.array([[3.0, 0.0, 2.0, -1.0]]), 0.9)
+    Array([[  3., -inf,   2., -inf]], dtype=float32)
+    >>> top_h_filter(jnp.array([[2.0, 1.0, 1.0, 1.0, 1.0]]), 0.6)  # one of the tied 1s fits
+    Array([[  2.,   1., -inf, -inf, -inf]], dtype=float32)
     """
     batch, vocab = scores.shape
     top, index = jax.lax.top_k(scores, min(TOP_H_CANDIDATES, vocab))  # [B, N] descending
@@ -202,28 +212,13 @@ def top_h_filter_sorted(scores: jax.Array, top_h) -> jax.Array:
     return jnp.where(keep, scores, NEG_INF)  # [B, V]
 
 
-def top_h_filter(scores: jax.Array, top_h) -> jax.Array:
-    """HF TopHLogitsWarper (search path, no sort): the 100th largest score by bisection, then
-    the score cut-off t such that the tokens >= t have a summed -p log p <= tau. Same mask as
-    `top_h_filter_sorted` up to ties at a cut (a tie is kept or dropped as a whole here).
+def top_h_filter_sorted(scores: jax.Array, top_h) -> jax.Array:
+    """The `filter_impl="sort"` name of `top_h_filter` (one implementation serves both).
 
-    >>> top_h_filter(jnp.array([[3.0, 0.0, 2.0, -1.0]]), 0.9)
-    Array([[  3., -inf,   2., -inf]], dtype=float32)
+    >>> top_h_filter_sorted(jnp.array([[3.0, 0.0, 2.0, -1.0]]), 0.5)
+    Array([[  3., -inf, -inf, -inf]], dtype=float32)
     """
-    batch, vocab = scores.shape
-    kth = kth_largest(scores, min(TOP_H_CANDIDATES, vocab))  # [B, 1]
-    candidates = jnp.where(scores >= kth, scores, NEG_INF)  # [B, V]
-    terms, entropy = _entropy_terms(candidates)  # [B, V]
-    tau = entropy * per_row(top_h, batch)  # [B, 1]
-    # A zero-probability candidate has a NaN term in HF and is never kept (nor anything after).
-    terms = jnp.where(scores >= kth, jnp.where(jnp.isnan(terms), jnp.inf, terms), 0.0)
-    mass_from = lambda t: jnp.sum(jnp.where(scores >= t, terms, 0.0), axis=-1)  # noqa: E731
-    # The smallest cut-off t with mass(>= t) <= tau; the predicate holds for large t, so
-    # bisect over -t.
-    threshold = -search_threshold(batch, lambda s: mass_from(-s) <= tau[:, 0])  # [B, 1]
-    keep = ((scores >= threshold) & (scores >= kth)) | (
-        scores >= jnp.max(scores, axis=-1, keepdims=True))  # [B, V]
-    return jnp.where(keep, scores, NEG_INF)  # [B, V]
+    return top_h_filter(scores, top_h)
 
 
 # ------------------------------------------------------------------------ typical-p

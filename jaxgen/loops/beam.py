@@ -149,6 +149,7 @@ class BeamResult:
     token_logprobs   float32 [B*R, N] processed log-prob of each generated token
     beam_indices     int32 [B*R, N]   HF's beam_indices (-1 past the end)
     scores, logits   float32 [B*K, N, V] or None (HF's per-step running-beam scores/logits)
+    prompt_logprobs  float32 [B*R, P] or None (cfg.prompt_logprobs: each row's prompt's)
     """
 
     sequences: jax.Array
@@ -160,6 +161,7 @@ class BeamResult:
     beam_indices: jax.Array
     scores: jax.Array | None
     logits: jax.Array | None
+    prompt_logprobs: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,7 +415,8 @@ def beam_search(params, state: DecodeState, cfg: GenerationConfig,
         stop_tables=getattr(state, "stop_tables", None),
         automaton=None if state.constraint is None else state.constraint.automaton)
     # The prompt runs once per row; its cache is then repeated to the K beams of the row.
-    state, logits = prefill(params, state, cfg.prefill_chunk_size)  # logits [B, V]
+    state, logits, *prompt_lp = prefill(params, state, cfg.prefill_chunk_size,
+                                        prompt_logprobs=bool(cfg.prompt_logprobs))  # [B, V]
     bs = init_beams(state, cfg, repeat_rows(state.cache, axes, beams))
     bs = beam_step(static, bs, jnp.repeat(logits, beams, axis=0))
 
@@ -427,7 +430,11 @@ def beam_search(params, state: DecodeState, cfg: GenerationConfig,
         return beam_step(static, carry.replace(cache=cache), logits)
 
     bs = jax.lax.while_loop(cond, body, bs)
-    return _result(bs, static, returns, state.pad_token_id)
+    result = _result(bs, static, returns, state.pad_token_id)
+    if prompt_lp:  # [B, P] -> the R returned rows of every prompt
+        result = dataclasses.replace(result, prompt_logprobs=jnp.repeat(prompt_lp[0], returns,
+                                                                        axis=0))
+    return result
 
 
 def _result(bs: BeamState, static: _Static, returns: int, pad_id: int) -> BeamResult:
@@ -468,7 +475,7 @@ class BeamLoop:
                               token_logprobs=beams.token_logprobs, scores=beams.scores,
                               logits=beams.logits, sequences_scores=beams.sequences_scores,
                               beam_indices=beams.beam_indices if self.return_beam_indices
-                              else None)
+                              else None, prompt_logprobs=beams.prompt_logprobs)
 
 
 __all__ = ["BeamLoop", "BeamResult", "BeamState", "beam_search", "beam_step", "cache_batch_axes",

@@ -62,6 +62,20 @@ def choose_and_write(cfg: GenerationConfig, state: DecodeState, raw_logits: jax.
                          constraint=step_carry(state.constraint, chosen, live)), record
 
 
+def prefill_with_record(params, state: DecodeState, cfg: GenerationConfig,
+                        with_hidden: bool = False, all_hidden: bool = False):
+    """Empty step records for `state` and its prefill: (state, record, logits [B, V][, hidden]).
+    With cfg.prompt_logprobs the prefill also scores every prompt token (record.prompt_logprobs
+    [B, P]); every loop that fills a StepRecord starts here."""
+    record = StepRecord.for_state(state, cfg)
+    wanted = bool(cfg.prompt_logprobs)
+    state, logits, *rest = prefill(params, state, cfg.prefill_chunk_size, with_hidden,
+                                   all_hidden, prompt_logprobs=wanted)
+    if wanted:
+        record = dataclasses.replace(record, prompt_logprobs=rest.pop())  # [B, P]
+    return (state, record, logits, *rest)
+
+
 def decode_start(params, state: DecodeState, cfg: GenerationConfig,
                  ext: Extensions = NO_EXTENSIONS) -> tuple[DecodeState, StepRecord]:
     """Empty step records, the prefill and the first new token (step 0) of every row.
@@ -70,8 +84,7 @@ def decode_start(params, state: DecodeState, cfg: GenerationConfig,
     prefill and `choose_and_write` (also asking for the prompt's hidden state), and beam
     search the same prefill before it expands the rows to beams.
     """
-    record = StepRecord.for_state(state, cfg)
-    state, logits = prefill(params, state, cfg.prefill_chunk_size)
+    state, record, logits = prefill_with_record(params, state, cfg)
     return choose_and_write(cfg, state, logits, record, 0, ext)
 
 

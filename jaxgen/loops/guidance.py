@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.core.output import GenerateOutput, StepRecord
 from jaxgen.core.state import DecodeState
-from jaxgen.core.step import forward_last, prefill, prefill_tokens
+from jaxgen.core.step import forward_last, prefill_tokens
 from jaxgen.loops.beam import cache_batch_axes
-from jaxgen.loops.decode import DecodeLoop, choose_and_write
+from jaxgen.loops.decode import DecodeLoop, choose_and_write, prefill_with_record
 from jaxgen.loops.guidance_inputs import GuidanceInputs, guided_log_probs
 
 
@@ -103,10 +103,9 @@ class GuidedLoop(DecodeLoop):
     def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs=None):
         model = state.model
         neg_tokens, neg_len = unconditional_prompts(state, inputs)  # [B, Pn], [B]
-        record = StepRecord.for_state(state, cfg)
         chunk = cfg.prefill_chunk_size
         empty = state.cache  # the unconditional rows start from the same empty cache
-        state, cond = prefill(params, state, chunk)  # [B, V]
+        state, record, cond = prefill_with_record(params, state, cfg)  # cond [B, V]
         ucache, uncond = prefill_tokens(model, params, neg_tokens, neg_len, empty, chunk)
         if self.stacked:  # one copy of the cache, then one model call per step
             axes = cache_batch_axes(model, cfg, state.buffer_len, state.prompt_bucket)

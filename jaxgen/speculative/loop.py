@@ -56,8 +56,8 @@ from jaxgen.core.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.core.output import GenerateOutput, StepRecord
 from jaxgen.core.speculative_stats import SpeculativeStats
 from jaxgen.core.state import DecodeState
-from jaxgen.core.step import mark_done, prefill, stop_flags
-from jaxgen.loops.decode import choose_and_write
+from jaxgen.core.step import mark_done, stop_flags
+from jaxgen.loops.decode import choose_and_write, prefill_with_record
 from jaxgen.speculative import verify
 from jaxgen.speculative.fallback import FallbackState, choose_width, gate_rows
 from jaxgen.speculative.positions import process_positions
@@ -339,9 +339,8 @@ def speculative_start(params, state: DecodeState, cfg: GenerationConfig, drafter
     batch = state.batch
     reads_hidden = "hidden" in drafter.reads
     reads_all = "hidden_states" in drafter.reads  # every prompt position's (MTP layers)
-    record = StepRecord.for_state(state, cfg)
-    state, logits, *hidden = prefill(params, state, cfg.prefill_chunk_size,
-                                     reads_hidden or reads_all, reads_all)
+    state, record, logits, *hidden = prefill_with_record(params, state, cfg,
+                                                         reads_hidden or reads_all, reads_all)
     verified = (hidden[0], jnp.zeros((batch,), jnp.int32)) if reads_all else None  # [B, P, D]
     hidden = hidden[0] if reads_hidden else None  # [B, D] the prompt's last hidden state
     state, record = choose_and_write(cfg, state, logits, record, 0, ext)

@@ -46,9 +46,9 @@ from jaxgen.core.extensions import NO_EXTENSIONS, Extensions
 from jaxgen.core.output import StepRecord
 from jaxgen.core.speculative_stats import SpeculativeStats
 from jaxgen.core.state import DecodeState
-from jaxgen.core.step import prefill, processor_context
+from jaxgen.core.step import processor_context
 from jaxgen.logits.chain import process_logits
-from jaxgen.loops.decode import choose_and_write
+from jaxgen.loops.decode import choose_and_write, prefill_with_record
 from jaxgen.speculative import verify
 from jaxgen.speculative.loop import (
     AssistInputs,
@@ -212,8 +212,7 @@ def tree_start(params, state: DecodeState, cfg: GenerationConfig, drafter,
                inputs: AssistInputs, ext: Extensions = NO_EXTENSIONS):
     """Prefill, the first token and the first tree. Returns (state, SpecCarry, StepRecord)."""
     batch, D = state.batch, drafter.num_tokens
-    record = StepRecord.for_state(state, cfg)
-    state, logits, hidden = prefill(params, state, cfg.prefill_chunk_size, True)  # hidden [B, D]
+    state, record, logits, hidden = prefill_with_record(params, state, cfg, True)  # [B, D]
     state, record = choose_and_write(cfg, state, logits, record, 0, ext)
     start = jnp.full((batch,), D, jnp.int32)
     carry = SpecCarry(draft_state=None, k_sched=start,

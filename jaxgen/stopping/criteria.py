@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import warnings
 from typing import Any, Iterable, Sequence
@@ -190,17 +191,48 @@ class MaxTimeCriteria:
         return jnp.full((_batch(ctx),), done)  # [B]
 
 
+def accepted_kwargs(function, kwargs: dict) -> dict:
+    """The entries of `kwargs` that `function` accepts as keywords (all of them when it takes
+    **kwargs; none when its signature cannot be read).
+
+    >>> accepted_kwargs(lambda ctx, scores=None: None, {"scores": 1, "step": 2})
+    {'scores': 1}
+    """
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(kwargs)
+    named = {name for name, p in parameters.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in named}
+
+
 class StoppingCriteriaList(list):
-    """Criteria combined by OR, as Hugging Face's list: `criteria(ctx, scores) -> bool [B]`.
+    """Criteria combined by OR, as Hugging Face's list: `criteria(ctx, scores, **kwargs) ->
+    bool [B]`. Each criterion gets `scores` and the keyword arguments only where its
+    signature accepts them (a criterion `(ctx) -> bool [B]` is fine).
 
     `generate(..., stopping_criteria=the_list)` takes its entries (a list is not hashable,
     its entries are).
+
+    >>> import jax.numpy as jnp
+    >>> from jaxgen.logits.chain import ProcessorContext
+    >>> ctx = ProcessorContext(tokens=jnp.zeros((2, 4), jnp.int32), length=jnp.array([2, 3]),
+    ...                        prompt_len=jnp.array([1, 1]))
+    >>> at_3 = lambda ctx: ctx.length >= 3              # takes no scores
+    >>> late = lambda ctx, scores, *, step: ctx.length >= step
+    >>> StoppingCriteriaList([at_3, late])(ctx, None, step=2, unused=0).tolist()
+    [True, True]
     """
 
-    def __call__(self, ctx, scores=None) -> jax.Array:
+    def __call__(self, ctx, scores=None, **kwargs) -> jax.Array:
         done = jnp.zeros((_batch(ctx),), bool)  # [B]
         for criterion in self:
-            done |= jnp.broadcast_to(jnp.asarray(criterion(ctx, scores), bool), done.shape)
+            hit = call_criterion(criterion, ctx, scores, **kwargs)
+            done |= jnp.broadcast_to(jnp.asarray(hit, bool), done.shape)
         return done
 
     @property
@@ -210,6 +242,29 @@ class StoppingCriteriaList(list):
             if isinstance(criterion, MaxLengthCriteria):
                 return criterion.max_length
         return None
+
+
+def call_criterion(criterion, first, scores, **kwargs):
+    """`criterion(first, scores, **kwargs)` with `scores` (positional, or by name) and the
+    keyword arguments only where the criterion's signature accepts them."""
+    takes = accepted_kwargs(criterion, {"scores": scores, **kwargs})
+    if _takes_second_positional(criterion):
+        takes.pop("scores", None)
+        return criterion(first, scores, **takes)
+    return criterion(first, **takes)
+
+
+def _takes_second_positional(function) -> bool:
+    """Whether `function` takes a second positional argument (the scores) after ctx."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return True
+    positional = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                      inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2
 
 
 def validate_stopping_criteria(criteria: Iterable, max_length: int) -> StoppingCriteriaList:
@@ -239,4 +294,5 @@ def flatten_criteria(criteria) -> tuple:
 
 
 __all__ = ["ConfidenceCriteria", "EosTokenCriteria", "MaxLengthCriteria", "MaxTimeCriteria",
-           "StopStringCriteria", "StoppingCriteriaList", "validate_stopping_criteria"]
+           "StopStringCriteria", "StoppingCriteriaList", "accepted_kwargs", "call_criterion",
+           "validate_stopping_criteria"]
