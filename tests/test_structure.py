@@ -39,6 +39,8 @@ FLOORS = {
     "jaxgen.drivers": 7,      # chunked, growing, streamers, prefix hook, UAD rounds
     "jaxgen.api": 8,          # generate, generate_ids, generate_text, the plan
     "jaxgen": 9,              # the facade (jaxgen/__init__.py)
+    "jaxgen.serving": 9,      # continuous batching: the engine, generate_batch (the facade
+    #                           reaches it by name, lazily, so beside it is below the cli)
     "jaxgen.cli": 10,         # the jaxgen command
     "jaxgen.train": 10,       # training recipes for drafters
 }

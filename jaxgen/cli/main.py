@@ -1,13 +1,16 @@
 """The `jaxgen` command: stream an answer, chat, or run a JSONL batch.
 
     $ jaxgen "What is the capital of France?"             # streams, then a summary line
-    $ jaxgen --chat                                         # interactive, history kept
+    $ jaxgen --chat                                         # interactive, history kept;
+                                                            # a turn prefills its own tokens
     $ jaxgen --input prompts.jsonl --output out.jsonl       # batch work with a progress bar
     $ jaxgen --input prompts.jsonl --output out.jsonl --resume   # continue after a stop
     $ jaxgen --truncation left --input long.jsonl       # prompts past the context keep their end
     $ jaxgen --model ./hf-folder --do-sample --temperature 0.7 --seed 1 "Hi"
     $ jaxgen --assistant ./small-draft "Hi"     # assisted decoding; a draft with another
                                                 # tokenizer runs universal assisted decoding
+    $ jaxgen serve --port 8000                  # an OpenAI-compatible HTTP server
+                                                # (jaxgen.cli.serve)
     $ jaxgen --speculative lookup "Hi"          # lookup | draft | early-exit | mtp |
                                                 # mtp-drafter (lossless); the summary adds
                                                 # the mean accepted drafts/round
@@ -328,8 +331,10 @@ def _rows(tokenizer, prompts, use_template: bool) -> list[list[int]]:
 
 
 def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, clock,
-                     assistant=None) -> str:
-    """Streams one answer to stdout; returns its text. Prints the summary on stderr."""
+                     assistant=None, turns: dict | None = None) -> str:
+    """Streams one answer to stdout; returns its text. Prints the summary on stderr.
+    turns: --chat's holder of the previous answer's output ("out"): the new turn continues
+    its cache (jaxgen.core.continuation.continue_to), so it prefills only its own tokens."""
     import numpy as np
 
     import jaxgen
@@ -351,7 +356,9 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
 
     timings = ChunkTimings()
     compiled_before = clock.compile_s
-    state = jaxgen.init_state(model, [row], cfg, seed_key(args.seed))
+    state = _continued(turns, row, cfg, assistant)
+    if state is None:
+        state = jaxgen.init_state(model, [row], cfg, seed_key(args.seed))
     assisted = {}
     if assistant is not None:
         draft, draft_params, draft_tokenizer = assistant
@@ -363,6 +370,8 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
                           timings=timings, layout=program_layout(args), **assisted)
     window_s = time.perf_counter() - window_start
     window_compile_s = clock.compile_s - window_compile
+    if turns is not None:
+        turns["out"] = out if assistant is None else None
     try:
         check_logits_valid(out.stop_reason, 1)
     except InvalidLogitsError:
@@ -388,10 +397,26 @@ def answer_streaming(model, params, tokenizer, cfg, messages_or_prompt, args, cl
     return text
 
 
+def _continued(turns: dict | None, row: list[int], cfg, assistant):
+    """--chat: the state continuing the previous answer's output towards `row` (the whole
+    conversation's ids), or None (the first turn, after /reset, with an assistant, or when
+    the previous cache cannot be continued: the turn then runs from scratch)."""
+    previous = None if turns is None else turns.pop("out", None)
+    if previous is None or assistant is not None:
+        return None
+    from jaxgen.core.continuation import continue_to
+
+    try:
+        return continue_to(previous, [row], cfg)
+    except ValueError:
+        return None
+
+
 def run_chat(model, params, tokenizer, cfg, args, clock, assistant=None) -> int:
     if tokenizer.chat_template is None:
         raise CliError("--chat needs a model with a chat template", EXIT_MODEL)
     history: list[dict] = []
+    turns: dict = {}  # the previous answer's output, continued by the next turn
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -406,10 +431,11 @@ def run_chat(model, params, tokenizer, cfg, args, clock, assistant=None) -> int:
             break
         if user == "/reset":
             history.clear()
+            turns.clear()
             continue
         history.append({"role": "user", "content": user})
         reply = answer_streaming(model, params, tokenizer, cfg, list(history), args, clock,
-                                 assistant)
+                                 assistant, turns)
         history.append({"role": "assistant", "content": reply.strip()})
     return 0
 
@@ -484,6 +510,11 @@ def _one_line(text: str) -> str:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["serve"]:  # `jaxgen serve`: its own flags; uvicorn owns the signals
+        from jaxgen.cli.serve import main as serve
+
+        return serve(words[1:])
     guard = SignalGuard()
     try:
         with guard:  # Ctrl-C / SIGTERM: exit 130 / 143 within seconds, one line

@@ -1,0 +1,100 @@
+"""`jaxgen serve`: an OpenAI-compatible HTTP server (jaxgen.serving.http_app) under uvicorn.
+
+    $ jaxgen serve                                   # the embedded SmolLM2 on 127.0.0.1:8000
+    $ jaxgen serve --model ./hf-folder --port 8080 --api-key secret --slots 16
+
+SIGTERM / Ctrl-C: uvicorn stops accepting connections, waits up to --grace seconds for the
+requests in flight, then the app's shutdown cancels what still runs and closes the engines;
+the process exits 0.
+
+Example:
+    >>> args = build_parser().parse_args(["--port", "9000", "--slots", "4"])
+    >>> args.host, args.port, args.slots, args.model
+    ('127.0.0.1', 9000, 4, None)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxgen.cli.errors import EXIT_MODEL, EXIT_USAGE, CliError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise CliError(f"{message} (see jaxgen serve --help)", EXIT_USAGE)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jaxgen serve",
+                     description="Serve a model over OpenAI's HTTP API (chat, completions).")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face checkpoint folder, a .gguf file or a known name "
+                             "(default: the embedded smollm2-135m-instruct)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=_positive, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` (default: "
+                             "$JAXGEN_API_KEY, else no key)")
+    parser.add_argument("--slots", type=_positive, default=8,
+                        help="requests decoded together (the engine's rows)")
+    parser.add_argument("--max-len", type=_positive, default=None,
+                        help="tokens per slot, prompt + answer (default: the model's context, "
+                             "at most 2048)")
+    parser.add_argument("--chunk-size", type=_positive, default=8,
+                        help="decode steps between host steps (streaming granularity)")
+    parser.add_argument("--max-waiting", type=_positive, default=256,
+                        help="queued requests before the server answers 429")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish on shutdown")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    return parser
+
+
+def main(argv) -> int:
+    """Runs the server until SIGTERM / Ctrl-C; the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+    except CliError as error:
+        print(f"jaxgen serve: error: {error}", file=sys.stderr)
+        return error.code
+    import jax.numpy as jnp
+    import uvicorn
+
+    from jaxgen import models
+    from jaxgen.core.context import model_positions
+    from jaxgen.serving.http_app import build_app
+
+    name = args.model or models.DEFAULT_MODEL
+    try:
+        model, params, tokenizer = models.load(
+            name, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        print(f"jaxgen serve: error: cannot load model {name!r}: {error}", file=sys.stderr)
+        return EXIT_MODEL
+    if tokenizer is None:
+        print(f"jaxgen serve: error: model {name!r} has no tokenizer.json", file=sys.stderr)
+        return EXIT_MODEL
+    max_len = args.max_len or min(model_positions(model) or 2048, 2048)
+    app = build_app(model, params, tokenizer, model_name=os.path.basename(name.rstrip("/")),
+                    api_key=args.api_key or os.environ.get("JAXGEN_API_KEY"),
+                    slots=args.slots, max_len=max_len, chunk_size=args.chunk_size,
+                    max_waiting=args.max_waiting, warm_up_lengths=(1,))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=args.grace)
+    return 0
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,366 @@
+"""`Engine`: continuous batching over a fixed number of slots, on a background thread.
+
+One fixed-shape state holds `slots` rows of `max_len` tokens (jaxgen.serving.admission). The
+thread repeats a host step and a chunk:
+
+  * host step: read the rows, hand every running request its new tokens, retire the rows
+    that are done (their slot is free), end the rows whose request was cancelled, then admit
+    waiting requests into the free slots (one admission program: their prompts prefilled
+    apart, their rows scattered in);
+  * chunk: `chunk_size` steps of the plain decode loop over every slot
+    (jaxgen.runtime.compiled.advance with jaxgen.loops.decode.DecodeLoop, the chunked driver's
+    entry), fewer once every slot is done.
+
+Budgets, keys, per-row sampling values and the slots' contents are dynamic, so requests
+coming and going compile nothing new: the chunk is one program, admission one per
+(power-of-two newcomers, prompt bucket) (`warm_up` compiles them ahead). A greedy request's
+tokens equal a solo `jaxgen.generate_ids` call's; a sampled one's too, with the same key.
+
+Example:
+    >>> import jaxgen
+    >>> from jaxgen.models import tiny_llama
+    >>> model, params = tiny_llama()
+    >>> cfg = jaxgen.GenerationConfig(max_new_tokens=4)
+    >>> with Engine(model, params, cfg, slots=2, max_len=32, chunk_size=2) as engine:
+    ...     handles = [engine.submit([1, 2, 3]), engine.submit([4, 5], max_new_tokens=2)]
+    ...     done = [h.result(timeout=120) for h in handles]
+    >>> [(len(c.new_ids), c.status) for c in done]
+    [(4, 'finished'), (2, 'finished')]
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen import stopping
+from jaxgen.api.generate import default_config
+from jaxgen.api.plan import canonical_config
+from jaxgen.config.fields import check_int
+from jaxgen.config.generation import GenerationConfig
+from jaxgen.config.program import program_config
+from jaxgen.core.context import check_context, model_positions
+from jaxgen.core.output import StepRecord
+from jaxgen.core.state import prompt_bucket, resolve_pad_id, row_keys, typed_keys
+from jaxgen.loops.decode import DecodeLoop
+from jaxgen.runtime import compiled
+from jaxgen.serving.admission import (
+    AdmitLoop,
+    admission_rows,
+    empty_slots,
+    host_admission,
+    slot_cache_axes,
+)
+from jaxgen.serving.requests import EngineClosed, QueueFull, RequestHandle
+from jaxgen.serving.settings import (
+    SAMPLING_FIELDS,
+    check_engine_config,
+    request_values,
+)
+
+DEFAULT_MAX_WAITING = 1024
+
+
+class _Request:
+    """A submitted request as the engine holds it (host values)."""
+
+    def __init__(self, handle, budget, key, values):
+        self.handle, self.budget, self.key, self.values = handle, budget, key, values
+
+
+def _logprob_parts(record: StepRecord) -> tuple:
+    """(token_logprobs [R, N], top_ids [R, N, k] | None, top_logprobs [R, N, k] | None)."""
+    return record.token_logprobs, record.top_ids, record.top_logprobs
+
+
+def _row_logprobs(chunk: tuple, slot: int, count: int, first: tuple | None) -> tuple:
+    """(log-probs [count], (top ids, top log-probs) [count, k] or None) of a slot's `count`
+    new tokens: the admission's first token (first: (its parts, its row)), then the chunk's
+    steps."""
+    parts = [None if part is None else part[slot] for part in chunk]  # [N(, k)] each
+    if first is not None:
+        head, row = first
+        parts = [None if part is None else np.concatenate([first_part[row, :1], part])
+                 for part, first_part in zip(parts, head)]
+    logprobs, top_ids, top_logprobs = (None if p is None else np.asarray(p)[:count]
+                                       for p in parts)
+    return logprobs, None if top_ids is None else (top_ids, top_logprobs)
+
+
+class Engine:
+    """Continuous batching: `submit` prompts, each decoded in a slot as one frees up.
+
+    model, params: a jaxgen model and its weights; cfg: the program-wide GenerationConfig
+    (with `overrides`, resolved as jaxgen.generate_ids does; see jaxgen.serving.settings for
+    what a request may set itself). slots: rows decoded together. max_len: each slot's
+    buffer (prompt + new tokens). chunk_size: decode steps between host steps. max_waiting:
+    the waiting queue's bound (`submit` raises QueueFull past it). layout: the programs'
+    layout (jaxgen.runtime.backend.LAYOUTS). constraint: a TokenAutomaton every request
+    follows (jaxgen.constraints.compile), or None. Each handle also gets its tokens'
+    log-probs (and, with cfg.top_logprobs = k, the k most likely alternatives).
+    """
+
+    def __init__(self, model, params, cfg: GenerationConfig | None = None, *, slots: int = 8,
+                 max_len: int = 512, chunk_size: int = 8,
+                 max_waiting: int = DEFAULT_MAX_WAITING, layout: str = "auto",
+                 cache_dtype=jnp.float32, constraint=None, **overrides):
+        check_int("slots", slots, low=1)
+        check_int("max_len", max_len, low=2)
+        check_int("chunk_size", chunk_size, low=1)
+        check_int("max_waiting", max_waiting, low=1)
+        cfg = default_config(model, cfg, **overrides)
+        check_engine_config(cfg)
+        cfg.validate_for_model(model.vocab_size)
+        self.model, self.params, self.cfg = model, params, cfg
+        self.slots, self.max_len, self.chunk_size = slots, max_len, chunk_size
+        self.max_waiting, self.layout = max_waiting, layout
+        self._pad = resolve_pad_id(cfg, model)
+        self._state = empty_slots(model, cfg, slots, max_len, cache_dtype, constraint)
+        self._first: dict = {}  # slot -> (first-token StepRecord [N, 1], its row): admitted
+        self._admit_loop = AdmitLoop(axes=slot_cache_axes(model, cfg, max_len))
+        self._record = StepRecord.empty(slots, chunk_size, model.vocab_size, cfg)
+        self._values = {name: np.full((slots,), getattr(cfg, name)) for name in SAMPLING_FIELDS}
+        self._chunk_cfg = self._program_cfg(self._values)
+        self._running: list = [None] * slots  # the _Request in each slot
+        self._sent = np.zeros((slots,), np.int64)  # tokens of each slot handed out
+        self._waiting: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._device = threading.Lock()  # the thread's step and warm_up take turns
+        self._closing = False
+        self._cancel_all = False
+        self._next_id = 0
+        self._thread = threading.Thread(target=self._run, name="jaxgen-serving", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- the caller's side
+    def submit(self, prompt_ids, **settings) -> RequestHandle:
+        """Queues a prompt (a list of token ids); returns its RequestHandle. settings:
+        max_new_tokens, key (jax.random.key(seed)), and with a sampling engine temperature,
+        top_k, top_p. Raises QueueFull when `max_waiting` requests wait, EngineClosed after
+        close(), ValueError for a bad prompt or setting."""
+        prompt = self._check_prompt(prompt_ids)
+        values = request_values(self.cfg, settings)
+        budget = self._budget(len(prompt), settings.get("max_new_tokens"))
+        key = typed_keys(settings.get("key"))
+        if key.shape not in ((), (1,)):
+            raise ValueError(f"submit: `key` must be one PRNG key (jax.random.key(seed)), or "
+                             f"a [1] array holding the row's own key, got shape {key.shape}")
+        # the solo call's row key: fold_in(key, 0) for one key, a [1] row key as it is
+        row_key = row_keys(key, 1)[0]
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the engine is closed: it takes no new requests")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"the engine's waiting queue is full ({self.max_waiting} "
+                                f"requests, max_waiting); submit again once requests finish")
+            handle = RequestHandle(self._next_id, prompt)
+            self._next_id += 1
+            self._waiting.append(_Request(handle, budget, row_key, values))
+            self._cond.notify_all()
+        return handle
+
+    def warm_up(self, prompt_lengths=(1,)) -> None:
+        """Compiles the chunk program and every admission program for prompts of these
+        lengths' buckets ahead of the requests (admitting nobody)."""
+        buckets = sorted({min(prompt_bucket(int(n)), self.max_len) for n in prompt_lengths})
+        rows = sorted({admission_rows(n, self.slots) for n in range(1, self.slots + 1)})
+        key = row_keys(jax.random.key(0), 1)[0]
+        with self._device:
+            for bucket in buckets:
+                for count in rows:
+                    self._state, _ = self._admit([[self._pad]] * count, [1] * count,
+                                              [key] * count, [self.slots] * count,
+                                              [self._neutral()] * count, bucket)
+            if all(r is None for r in self._running):  # every slot done: steps nothing
+                self._advance()
+        jax.block_until_ready(self._state.length)
+
+    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Takes no new requests; ends the thread once every request ended (cancel=False),
+        or ends every waiting and running request now with status "closed" (cancel=True,
+        at the next chunk boundary). TimeoutError when the thread is still busy after
+        `timeout` seconds."""
+        with self._cond:
+            self._closing = True
+            self._cancel_all = self._cancel_all or cancel
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the engine's thread did not end within {timeout} s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        self.close(cancel=error is not None)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests in a slot."""
+        return sum(r is not None for r in self._running)
+
+    # ----------------------------------------------------------------- checks
+    def _check_prompt(self, prompt_ids) -> list:
+        if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+            prompt_ids = np.asarray(prompt_ids).reshape(-1).tolist()
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError(f"submit: `prompt_ids` must be a non-empty list of token ids, got "
+                             f"{prompt_ids!r}")
+        vocab = self.model.vocab_size
+        for token in prompt_ids:
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)) \
+                    or not 0 <= token < vocab:
+                raise ValueError(f"submit: `prompt_ids` holds {token!r}; token ids are ints in "
+                                 f"0..{vocab - 1}")
+        return [int(t) for t in prompt_ids]
+
+    def _budget(self, prompt_len: int, max_new) -> int:
+        if max_new is None:
+            max_new = self.cfg.max_new_tokens
+        if max_new is None:
+            max_new = int(self.cfg.max_length) - prompt_len
+            if max_new < 1:
+                raise ValueError(f"submit: the prompt has {prompt_len} tokens but max_length is "
+                                 f"{self.cfg.max_length}; set max_new_tokens")
+        check_int("max_new_tokens", max_new, low=1)
+        if prompt_len + max_new > self.max_len:
+            raise ValueError(f"submit: prompt ({prompt_len}) + max_new_tokens ({max_new}) does "
+                             f"not fit a slot (max_len={self.max_len}); shorten them or build "
+                             f"the Engine with a larger max_len")
+        check_context(model_positions(self.model), [prompt_len], int(max_new),
+                      where=lambda _: "submit: the prompt")
+        return int(max_new)
+
+    # ----------------------------------------------------------------- programs
+    def _neutral(self) -> dict:
+        return {name: getattr(self.cfg, name) for name in SAMPLING_FIELDS}
+
+    def _program_cfg(self, values: dict) -> GenerationConfig:
+        """The program config with per-row sampling values (sampling engines)."""
+        cfg = self.cfg
+        if cfg.do_sample:
+            cfg = cfg.replace(**{name: np.asarray(values[name]) for name in SAMPLING_FIELDS})
+        return program_config(canonical_config(cfg))
+
+    def _admit(self, prompts, budgets, keys, slots, values, bucket):
+        rows = admission_rows(len(prompts), self.slots)
+        padded = values + [self._neutral()] * (rows - len(values))
+        admission = host_admission(prompts, budgets, keys, slots, rows, bucket, self._pad,
+                                   no_slot=self.slots)
+        cfg = self._program_cfg({name: np.asarray([v[name] for v in padded])
+                                 for name in SAMPLING_FIELDS})
+        return compiled.start(self.params, self._state, cfg, admission,
+                              loop=self._admit_loop, layout=self.layout)
+
+    def _advance(self) -> None:
+        self._state, self._record = compiled.advance(
+            self.params, self._state, self._record, jnp.int32(0), jnp.int32(self.chunk_size),
+            self._chunk_cfg, None, loop=DecodeLoop(), layout=self.layout)
+
+    # ----------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._device:
+                    self._host_step()
+                with self._cond:
+                    if self._closing and (self._cancel_all or (
+                            not self._waiting and self.running == 0)):
+                        break
+                    if self.running == 0 and not self._waiting:
+                        self._cond.wait()
+                        continue
+                if self.running == 0:
+                    continue
+                with self._device:
+                    self._advance()
+            self._end_all("closed")
+        except BaseException as error:  # every request learns it; none hangs
+            self._end_all("failed", error)
+
+    def _host_step(self) -> None:
+        """Hands out new tokens, retires done / cancelled rows, admits waiting requests."""
+        done, length, reason, tokens = (np.asarray(a) for a in jax.device_get((
+            self._state.done, self._state.length, self._state.stop_reason,
+            self._state.tokens)))
+        chunk, firsts = jax.device_get((_logprob_parts(self._record), {
+            slot: _logprob_parts(record) for slot, (record, _) in self._first.items()}))
+        ended = []
+        for slot, request in enumerate(self._running):
+            if request is None:
+                continue
+            handle = request.handle
+            new = tokens[slot, self._sent[slot]:length[slot]]  # [n]
+            first = self._first.pop(slot, None)
+            handle._push(new, *_row_logprobs(chunk, slot, len(new), first and (
+                firsts[slot], first[1])))
+            self._sent[slot] = length[slot]
+            if done[slot]:
+                handle._finish("finished", stopping.STOP_REASONS[int(reason[slot])])
+            elif handle.cancel_requested or self._cancel_all:
+                handle._finish("closed" if self._cancel_all else "cancelled")
+                ended.append(slot)
+            else:
+                continue
+            self._running[slot] = None
+        if ended:  # their rows stop decoding: done from now on
+            done = done.copy()
+            done[ended] = True
+            reason = reason.copy()
+            reason[ended] = stopping.CANCELLED
+            self._state = self._state.replace(done=jax.device_put(done),
+                                              stop_reason=jax.device_put(reason))
+        if not self._cancel_all:
+            self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        free = [slot for slot, request in enumerate(self._running) if request is None]
+        taken = []
+        with self._cond:
+            for request in [r for r in self._waiting if r.handle.cancel_requested]:
+                self._waiting.remove(request)  # cancelled while waiting: never admitted
+                request.handle._finish("cancelled")
+            while free and self._waiting:
+                request = self._waiting.popleft()
+                if request.handle.cancel_requested:
+                    request.handle._finish("cancelled")
+                    continue
+                taken.append((free.pop(0), request))
+        if not taken:
+            return
+        slots = [slot for slot, _ in taken]
+        requests = [request for _, request in taken]
+        prompts = [r.handle.prompt_ids for r in requests]
+        bucket = min(prompt_bucket(max(len(p) for p in prompts)), self.max_len)
+        self._state, first = self._admit(prompts, [r.budget for r in requests],
+                                         [r.key for r in requests], slots,
+                                         [r.values for r in requests], bucket)
+        for row, (slot, request) in enumerate(taken):
+            self._first[slot] = (first, row)
+            self._running[slot] = request
+            self._sent[slot] = len(request.handle.prompt_ids)
+            for name in SAMPLING_FIELDS:
+                self._values[name][slot] = request.values[name]
+        if self.cfg.do_sample:
+            self._chunk_cfg = self._program_cfg(self._values)
+
+    def _end_all(self, status: str, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._closing = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for request in waiting + [r for r in self._running if r is not None]:
+            request.handle._finish(status, error=error)
+        self._running = [None] * self.slots
+
+
+__all__ = ["Engine", "DEFAULT_MAX_WAITING"]
