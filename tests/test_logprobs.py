@@ -159,6 +159,57 @@ def test_transition_scores_match_transformers_greedy(tiny, normalize):
         np.testing.assert_allclose(got[b], want, rtol=0, atol=1e-4, err_msg=f"row {b}")
 
 
+def test_top_logprobs_equal_transformers_output_scores_top_k(tiny):
+    """Greedy: jaxgen's top-k ids / log-probs are the top-k of log_softmax(HF's output_scores)
+    on the same weights (HF's scores are its processed scores; greedy: the raw logits)."""
+    hf, model, params = tiny
+    out = run(model, params, RAGGED, greedy_config())
+    ids, lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    for b, prompt in enumerate(RAGGED):
+        ref = hf_generate(hf, prompt, max_new_tokens=NEW, eos_token_id=None,
+                          output_logits=True)
+        want = log_softmax(torch.stack(ref.scores, 1)[0].numpy())  # [N, V]
+        raw = log_softmax(torch.stack(ref.logits, 1)[0].numpy())  # [N, V]
+        np.testing.assert_allclose(want, raw, atol=1e-5)
+        order = np.argsort(-want, axis=-1, kind="stable")[:, :K]  # [N, K]
+        assert ids[b].tolist() == order.tolist(), f"row {b}"
+        np.testing.assert_allclose(lps[b], np.take_along_axis(want, order, 1), atol=1e-4)
+
+
+def hf_processed_scores(hf, sequence, prompt_len, warpers):
+    """HF's processed scores for the new tokens of `sequence` (one row, no padding): its
+    logits at every position from the last prompt token on, through HF's own warpers, as
+    generate() would have produced them while sampling these very tokens."""
+    ids = torch.tensor([sequence])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, prompt_len - 1:-1].float()  # [N, V]
+    return tuple(warpers(ids[:, :prompt_len + i], logits[i:i + 1])
+                 for i in range(logits.shape[0]))
+
+
+def test_sampling_top_logprobs_and_transition_scores_equal_transformers(tiny):
+    """Sampling (temperature 0.7, top_k = K): on jaxgen's sampled tokens, HF's warpers give the
+    processed scores; their top-k and HF's compute_transition_scores equal jaxgen's."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+    hf, model, params = tiny
+    cfg = greedy_config(do_sample=True, temperature=0.7, top_k=K)
+    out = run(model, params, RAGGED, cfg, jax.random.key(11))
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(K)])
+    got = np.asarray(jaxgen.compute_transition_scores(out))
+    ids, lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    seqs, lengths = np.asarray(out.sequences), np.asarray(out.lengths)
+    for b, prompt in enumerate(RAGGED):
+        sequence = seqs[b, :lengths[b]].tolist()
+        scores = hf_processed_scores(hf, sequence, len(prompt), warpers)
+        want = hf.compute_transition_scores(torch.tensor([sequence]), scores)[0].numpy()
+        np.testing.assert_allclose(got[b, :len(want)], want, rtol=0, atol=1e-4,
+                                   err_msg=f"row {b}")
+        logp = log_softmax(torch.cat(scores).numpy())  # [N, V]
+        top = np.take_along_axis(logp, ids[b, :len(want)], 1)  # [N, K] HF's at jaxgen's ids
+        np.testing.assert_allclose(lps[b, :len(want)], top, atol=1e-4)
+        assert np.isfinite(top).all()  # the K kept tokens are HF's top_k = K survivors
+
+
 def test_transition_scores_match_transformers_beam(tiny, beam_run):
     hf, _, _ = tiny
     eos, out = beam_run
