@@ -2,8 +2,9 @@
 
     python tests/cli_signal_script.py STALL MARKER -- jaxgen arguments...
 
-STALL: "load" (inside the model load), "generate:K" (inside the K-th generate call, 1-based:
-the earlier batches are written) or "none". MARKER: a file created right before the stall
+STALL: "load" (inside the model load), "generate:K" (inside the K-th generate call, 1-based),
+"written:K" (batch mode: inside the engine's first decode chunk once K results are in the
+output, on the engine's thread) or "none". MARKER: a file created right before the stall
 starts, so that the test signals the process while it sits in compiled code, where Python
 signal handlers do not run.
 """
@@ -52,6 +53,24 @@ def main() -> int:
             return real_generate(*args, **kwargs)
 
         jaxgen.generate = generate
+    elif where.startswith("written:"):
+        from jaxgen.cli import batch_output
+        from jaxgen.serving import Engine
+
+        stall_after, written = int(where.split(":")[1]), []
+        real_append, real_advance = batch_output.OutputFile.append, Engine._advance
+
+        def append(self, lines):
+            real_append(self, lines)
+            written.extend(lines)
+
+        def advance(self):
+            if len(written) >= stall_after:
+                stall(marker)
+            return real_advance(self)
+
+        batch_output.OutputFile.append = append
+        Engine._advance = advance
     elif where != "none":
         raise SystemExit(f"unknown stall {where!r}")
     return jaxgen_main(argv)

@@ -138,8 +138,10 @@ def test_blank_lines_count_and_all_bad_records_are_counted(tmp_path, capsys):
 
 def test_records_are_checked_against_the_tokenizer_before_generating(tiny_model, tmp_path,
                                                                      capsys, monkeypatch):
+    from jaxgen.serving import Engine
+
     calls = []
-    monkeypatch.setattr(jaxgen, "generate", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(Engine, "submit", lambda *a, **k: calls.append(1))
     source = write_records(tmp_path / "p.jsonl", [{"prompt": "fine"}] * 3 + [
         {"messages": [{"role": "user", "content": "hi"}]}])
     code, err = run_main(capsys, "--model", tiny_model, "--input", source, "--output",
@@ -276,10 +278,12 @@ def test_existing_output_needs_resume_or_overwrite(tiny_model, tmp_path, capsys)
 
 
 def test_a_runtime_error_is_one_line(tiny_model, tmp_path, capsys, monkeypatch):
-    def broken(*args, **kwargs):
+    from jaxgen.serving import Engine
+
+    def broken(*args, **kwargs):  # a decode chunk on the engine's thread fails
         raise RuntimeError("XLA says:\n  something\n\n  went wrong")
 
-    monkeypatch.setattr(jaxgen, "generate", broken)
+    monkeypatch.setattr(Engine, "_advance", broken)
     source = write_records(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     code, err = run_main(capsys, "--model", tiny_model, "--input", source, "--output",
                          tmp_path / "out.jsonl", "--quiet")
@@ -303,18 +307,16 @@ def test_sampled_results_do_not_depend_on_the_batch_size(tiny_model, tmp_path, c
 
 def test_nan_logits_name_the_record_and_keep_the_rest(tiny_model, tmp_path, capsys,
                                                       monkeypatch):
-    real = jaxgen.generate
+    from jaxgen.serving.requests import RequestHandle
 
-    def poisoned(params, state, cfg, **kwargs):  # row 1 of the second batch: invalid logits
-        out = real(params, state, cfg, **kwargs)
-        reasons = out.stop_reason
-        if poisoned.calls == 1:
-            reasons = reasons.at[1].set(stopping.INVALID_LOGITS)
-        poisoned.calls += 1
-        return dataclasses.replace(out, stop_reason=reasons)
+    real = RequestHandle._finish
 
-    poisoned.calls = 0
-    monkeypatch.setattr(jaxgen, "generate", poisoned)
+    def poisoned(self, status, stop_reason=None, error=None):  # the 4th record: NaN logits
+        if self.request_id == 3 and status == "finished":
+            stop_reason = stopping.STOP_REASONS[stopping.INVALID_LOGITS]
+        return real(self, status, stop_reason, error)
+
+    monkeypatch.setattr(RequestHandle, "_finish", poisoned)
     source = write_records(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
     target = tmp_path / "out.jsonl"
     code, err = run_main(capsys, "--model", tiny_model, "--input", source, "--output", target,

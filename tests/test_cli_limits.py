@@ -91,7 +91,7 @@ def test_memory_up_to_the_first_result_does_not_grow_with_the_input(tiny_model, 
                    "--max-new-tokens", "2", "--quiet", "--no-cache"],
             stop_when=lambda target=target: target.exists() and target.stat().st_size > 0)
         assert code in (0, 143), err
-        assert target.read_text().count("\n") >= 8, err  # the first batch is there
+        assert target.read_text().count("\n") >= 1, err  # the first results are there
         results[count] = peak
     assert results[30_000] < results[10] + 60, results
 
@@ -300,14 +300,16 @@ def test_the_run_record_is_written_before_the_first_result(tiny_model, tmp_path,
     code, err = run_main(capsys, "--model", tiny_model, "--input", source, "--output", target,
                          "--max-new-tokens", "5", "--seed", "9", "--quiet", "--batch-size", "2")
     assert code == 0, err
-    assert len(seen) == 2 and all(record == seen[0] for record in seen)
+    assert len(seen) >= 1 and all(record == seen[0] for record in seen)
     record = seen[0]
     assert record.records == 3 and record.model == os.path.realpath(tiny_model)
     assert record.settings["--max-new-tokens"] == 5 and record.settings["--seed"] == 9
     assert record.fingerprint
     assert target.read_text().count("\n") == 3  # the JSONL itself stays pure results
     # A run that writes nothing leaves no run record behind.
-    monkeypatch.setattr(jaxgen, "generate", lambda *a, **k: (_ for _ in ()).throw(
+    from jaxgen.serving import Engine
+
+    monkeypatch.setattr(Engine, "_advance", lambda self: (_ for _ in ()).throw(
         RuntimeError("broken")))
     fresh = tmp_path / "fresh.jsonl"
     code, err = run_main(capsys, "--model", tiny_model, "--input", source, "--output", fresh,
@@ -341,9 +343,11 @@ def run_stalled(stall: str, argv: list, signum, marker, timeout=120):
 
 @pytest.mark.parametrize("signum,code,word", [(signal.SIGTERM, 143, "terminated"),
                                               (signal.SIGINT, 130, "interrupted")])
-def test_a_signal_stops_a_long_compiled_call_keeping_finished_batches(tiny_model, tmp_path,
+def test_a_signal_stops_a_long_compiled_call_keeping_finished_results(tiny_model, tmp_path,
                                                                       signum, code, word):
-    source = write_records(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+    """The engine's thread stalls in a decode chunk once 2 results are written; the signal
+    ends the command (the watchdog) with what is written, and --resume completes it."""
+    source = write_records(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(24)])
     common = ["--model", tiny_model, "--input", source, "--max-new-tokens", "3",
               "--batch-size", "2", "--quiet"]
     reference = tmp_path / "reference.jsonl"
@@ -351,14 +355,15 @@ def test_a_signal_stops_a_long_compiled_call_keeping_finished_batches(tiny_model
                             capture_output=True, text=True, env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr
     target = tmp_path / "out.jsonl"
-    returned, err = run_stalled("generate:2", common + ["--output", target], signum,
+    returned, err = run_stalled("written:2", common + ["--output", target], signum,
                                 tmp_path / "marker")
     assert returned == code, err
     line = one_error_line(err)
-    assert line == (f"jaxgen: error: {word}: 2 of 6 records are in {target}; run the same "
-                    f"command with --resume to continue"), line
+    kept = target.read_text().count("\n")
+    assert 2 <= kept < 24, kept
+    assert line == (f"jaxgen: error: {word}: {kept} of 24 records are in {target}; run the "
+                    f"same command with --resume to continue"), line
     assert reference.read_bytes().startswith(target.read_bytes())
-    assert target.read_text().count("\n") == 2
     result = subprocess.run(CLI + [str(a) for a in common] + ["--output", str(target),
                                                               "--resume"],
                             capture_output=True, text=True, env=ENV, timeout=300)

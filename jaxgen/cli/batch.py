@@ -10,26 +10,34 @@ What a run that lasts hours can rely on (README, "Batch mode guarantees"):
     types, Unicode text, duplicate ids) and keeps 16 bytes and a line number per record;
     the second (after the model loads, before anything compiles; jaxgen.cli.batch_prompts)
     builds and checks every prompt's tokens (vocabulary, the model's context, or
-    --truncation left); the third generates batch by batch. An error names `file:line` and
-    exits 4.
+    --truncation left); the third streams the records into a continuous-batching engine
+    (jaxgen.serving.Engine, --batch-size slots: a short answer frees its slot for the next
+    record instead of waiting for its batch's longest), at most WINDOW_PER_SLOT x slots
+    records in flight (submitted, not yet written; the engine's waiting queue is bounded
+    alike). An error names `file:line` and exits 4.
   * `--output` is never the input file (also through a symlink or a hard link), and an output
     that already holds results is refused unless `--resume` (continue) or `--overwrite`.
   * One run at a time per `--output` (an exclusive `flock` while it runs).
-  * Each batch is appended in one `write`, then flushed and fsync'ed: a crash, SIGKILL or
-    Ctrl-C leaves every finished record intact and the file valid JSONL. `--resume` drops a
+  * Results are written in input order: each finished record waits (in the bounded window)
+    for the ones before it, and the ready ones are appended whole, in one `write`, then
+    flushed and fsync'ed: a crash, SIGKILL or Ctrl-C leaves every finished record intact and
+    the file valid JSONL. `--resume` drops a
     partial last line, should one ever be left (an interrupted write, a full disk).
   * Every result carries its key: the record's "id" when it has one, else "input_line" (its
     1-based line in the input). `--resume` skips the records whose key is already in
-    `--output`; batches keep their boundaries in the input, so a resumed greedy run writes
-    what an uninterrupted one writes. Sampling keys are per record (seed folded with the
-    record's index), so they do not depend on batching either.
+    `--output`. A record's tokens do not depend on its slot or its neighbours (the engine
+    gives each request what a solo generate_ids call gives), so a resumed greedy run writes
+    what an uninterrupted one writes, and what the fixed batches of earlier versions wrote.
+    Sampling keys are per record (seed folded with the record's index, the request's own
+    row key), so they do not depend on batching either.
   * The run record next to the output (jaxgen.cli.run_record: settings, model, a digest per
     input record) is written atomically before the first result; `--resume` refuses (exit 2)
     an edited input, other settings or another model, saying what differs.
-  * Ctrl-C (SIGINT) or SIGTERM stops generation within about one chunk (the chunked
-    driver's `stop_event`), or within seconds during a long compiled call (the watchdog of
-    jaxgen.cli.interrupts); the interrupted batch is not written; exit 130 (143 for
-    SIGTERM). A second Ctrl-C aborts at once (the file stays valid: writes are whole batches).
+  * Ctrl-C (SIGINT) or SIGTERM stops generation within about one chunk (the engine is
+    closed with cancel=True: its requests end at the next chunk boundary), or within seconds
+    during a long compiled call (the watchdog of jaxgen.cli.interrupts); the records still in
+    flight are not written (--resume runs them); exit 130 (143 for SIGTERM). A second Ctrl-C
+    aborts at once (the file stays valid: writes are whole records).
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ from jaxgen.cli.batch_input import (  # noqa: F401  (Record and describe_key are
 )
 from jaxgen.cli.batch_output import OutputFile, StdoutSink
 from jaxgen.cli.batch_prompts import (
+    ENCODE_AT_ONCE,
     PromptRules,
     check_prompts,
     check_room,
@@ -74,6 +83,10 @@ from jaxgen.cli.run_record import (
 )
 from jaxgen.cli.token_rate import tokens_per_second
 
+WINDOW_PER_SLOT = 4  # records in flight per slot: waiting, decoding, or done out of order
+CHUNK_STEPS = 8  # decode steps between the engine's host steps: how soon a stop is seen
+POLL_S = 0.05  # how long the writer waits for the next result before looking again
+
 
 def check_args(args) -> None:
     if args.resume and args.overwrite:
@@ -83,31 +96,17 @@ def check_args(args) -> None:
                        EXIT_USAGE)
 
 
-def _result(record: Record, tokenizer, new: list[int], reason: int) -> str:
+def _result(record: Record, tokenizer, new: list[int], reason: str) -> str:
+    """The result line of a record: its input object, input_line, completion, new_tokens,
+    stop_reason (jaxgen.stopping.STOP_REASONS' name)."""
     import json
-
-    from jaxgen import stopping
 
     result = dict(record.data)
     result["input_line"] = record.line
     result["completion"] = tokenizer.decode(new, skip_special_tokens=True)
     result["new_tokens"] = len(new)
-    result["stop_reason"] = stopping.STOP_REASONS.get(reason, str(reason))
+    result["stop_reason"] = reason
     return json.dumps(result, ensure_ascii=False) + "\n"
-
-
-def _batches(records, done: np.ndarray, batch_size: int):
-    """The remaining records in the input's batch boundaries (resumed runs batch alike)."""
-    chunk, group = [], None
-    for record in records:
-        if record.index // batch_size != group:
-            if chunk:
-                yield chunk
-            chunk, group = [], record.index // batch_size
-        if not done[record.index]:
-            chunk.append(record)
-    if chunk:
-        yield chunk
 
 
 class _Progress:
@@ -217,59 +216,117 @@ def _generate_all(args, source, index, done, sink, earlier, this_run, load_model
             write_record(args.output, this_run)  # a regular file anyway)
             sink.companion = record_path(args.output)
     return _generate_batches(args, source, index, done, sink, model, params, tokenizer, cfg,
-                             rules, layout, guard)
+                             rules, layout, guard, found.longest)
+
+
+def _encoded(records, done: np.ndarray, tokenizer, rules, path: str, group: int):
+    """(record, prompt ids) of every remaining record, in input order, tokenized `group` at
+    a time (the tokenizer's batch call), lazily: the caller takes what it can submit."""
+    waiting = []
+    for record in records:
+        if done[record.index]:
+            continue
+        waiting.append(record)
+        if len(waiting) == group:
+            yield from zip(waiting, encode_batch(tokenizer, waiting, rules, path))
+            waiting = []
+    if waiting:
+        yield from zip(waiting, encode_batch(tokenizer, waiting, rules, path))
+
+
+def _slot_length(longest_prompt: int, max_new_tokens: int) -> int:
+    """Each slot's buffer: the longest prompt's bucket plus the budget's bucket (what a
+    fixed batch holding that prompt would have)."""
+    from jaxgen.core.state import new_token_bucket, prompt_bucket
+
+    return prompt_bucket(max(longest_prompt, 1)) + new_token_bucket(max_new_tokens)
+
+
+def _completion(handle):
+    """The handle's Completion; the engine thread's own error raised as it is (one line)."""
+    from jaxgen.serving import EngineError
+
+    try:
+        return handle.result()
+    except EngineError as error:
+        raise (error.__cause__ or error) from None
 
 
 def _generate_batches(args, source, index, done, sink, model, params, tokenizer, cfg, rules,
-                      layout, guard) -> int:
+                      layout, guard, longest: int) -> int:
+    """Streams the remaining records through a continuous-batching Engine (slots =
+    --batch-size) and appends each result once every earlier one is written."""
+    import collections
+
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
-    import jaxgen
     from jaxgen import stopping
-    from jaxgen.api.generate import outputs_to_lists
+    from jaxgen.serving import Engine, EngineError
 
+    invalid = stopping.STOP_REASONS[stopping.INVALID_LOGITS]
     total, already = len(index), int(done.sum())
     progress = _Progress(args, total, already)
     guard.describe = progress.describe
+    slots = max(1, min(int(args.batch_size), total - already))
+    window = WINDOW_PER_SLOT * slots  # records in flight: submitted, not yet written
+    try:
+        engine = Engine(model, params, cfg, slots=slots,
+                        max_len=_slot_length(longest, int(args.max_new_tokens)),
+                        chunk_size=CHUNK_STEPS, max_waiting=window, layout=layout)
+    except ValueError as error:
+        raise CliError(f"batch mode: {error}", EXIT_USAGE) from None
     base_key = jax.random.key(args.seed)
-    total_new, start = 0, time.perf_counter()
-    records = iter_records(args.input, index, source)
-    with guard.soft(), tqdm(total=total, initial=already, unit="prompt", file=sys.stderr,
-                            disable=args.quiet) as bar:
-        for chunk in _batches(records, done, args.batch_size):
-            if guard.event.is_set():
-                break
-            batch_rows = encode_batch(tokenizer, chunk, rules, args.input)
-            indices = jnp.asarray([r.index for r in chunk], jnp.uint32)
-            keys = jax.vmap(lambda i: jax.random.fold_in(base_key, i))(indices)
-            state = jaxgen.init_state(model, batch_rows, cfg, keys)
-            out = jaxgen.generate(params, state, cfg, stop_event=guard.event, layout=layout)
-            reasons = np.asarray(out.stop_reason).reshape(-1)
-            if (reasons == stopping.CANCELLED).any() or guard.event.is_set():
-                break  # the interrupted batch is not written
-            bad = [i for i, reason in enumerate(reasons) if reason == stopping.INVALID_LOGITS]
-            lines = []
-            for i, (record, row, full) in enumerate(zip(chunk, batch_rows,
-                                                        outputs_to_lists(out))):
-                if i in bad:
+    sampled = bool(cfg.do_sample)
+    feed = _encoded(iter_records(args.input, index, source), done, tokenizer, rules,
+                    args.input, min(ENCODE_AT_ONCE, window))
+    in_flight: collections.deque = collections.deque()  # (record, handle), input order
+    more, total_new, start = True, 0, time.perf_counter()
+    try:
+        with guard.soft(), tqdm(total=total, initial=already, unit="prompt", file=sys.stderr,
+                                disable=args.quiet) as bar:
+            while not guard.event.is_set():
+                while more and len(in_flight) < window:
+                    item = next(feed, None)
+                    if item is None:
+                        more = False
+                        break
+                    record, row = item
+                    key = jax.random.fold_in(base_key, record.index)[None] if sampled else None
+                    in_flight.append((record, engine.submit(row, key=key)))
+                if not in_flight:
+                    break
+                if not in_flight[0][1].done():  # the next result to write: wait a moment
+                    with contextlib.suppress(TimeoutError, EngineError):
+                        in_flight[0][1].result(timeout=POLL_S)  # failed: raised below, in order
                     continue
-                new = full[len(row):]
-                total_new += len(new)
-                lines.append(_result(record, tokenizer, new, int(reasons[i])))
-            if lines:
-                with guard.writing():
-                    sink.append(lines)
-            progress.written += len(lines)
-            bar.update(len(lines))
-            if bad:
-                first = chunk[bad[0]]
-                others = f" (and {len(bad) - 1} more in this batch)" if len(bad) > 1 else ""
-                raise CliError(f"{args.input}:{first.line}: the model produced NaN/inf logits "
-                               f"for this prompt (stop reason 'invalid_logits'){others}; check "
-                               f"the weights (or try --dtype float32); {progress.written} "
-                               f"finished records are kept", EXIT_RUNTIME)
+                lines, bad = [], None
+                while in_flight and in_flight[0][1].done():
+                    record, handle = in_flight.popleft()
+                    completion = _completion(handle)
+                    if completion.status != "finished":  # the engine was closed under us
+                        raise CliError(f"{args.input}:{record.line}: the engine ended this "
+                                       f"record ({completion.status}); {progress.written} "
+                                       f"finished records are kept", EXIT_RUNTIME)
+                    if completion.stop_reason == invalid:
+                        bad = record
+                        break
+                    total_new += len(completion.new_ids)
+                    lines.append(_result(record, tokenizer, completion.new_ids,
+                                         completion.stop_reason))
+                if lines:
+                    with guard.writing():
+                        sink.append(lines)
+                    progress.written += len(lines)
+                    bar.update(len(lines))
+                if bad is not None:
+                    raise CliError(f"{args.input}:{bad.line}: the model produced NaN/inf "
+                                   f"logits for this prompt (stop reason 'invalid_logits'); "
+                                   f"check the weights (or try --dtype float32); "
+                                   f"{progress.written} finished records are kept",
+                                   EXIT_RUNTIME)
+    finally:  # the interrupted requests end at the next chunk boundary, unwritten
+        engine.close(cancel=bool(in_flight))
     if guard.event.is_set() and progress.written < total:
         word = "terminated" if guard.code == EXIT_TERMINATED else "interrupted"
         raise CliError(f"{word}: {progress.describe()}", guard.code or EXIT_INTERRUPTED)

@@ -148,9 +148,11 @@ def encode_record(tokenizer, record: Record, rules: PromptRules):
 
 @dataclasses.dataclass
 class PromptCheck:
-    """What the checking pass found: records checked, prompts truncated (and the first)."""
+    """What the checking pass found: records checked, prompts truncated (and the first), the
+    longest prompt (tokens, after truncation: what sizes the engine's slots)."""
 
     checked: int = 0
+    longest: int = 0
     truncated: int = 0
     first_truncated: int | None = None  # its line
 
@@ -180,7 +182,9 @@ def check_prompts(tokenizer, records: Iterable[Record], rules: PromptRules,
                 fitted, problem = fit_context(row, rules)
             if problem:
                 problems.add(record.line, problem)
-            elif len(fitted) < len(row):
+                continue
+            found.longest = max(found.longest, len(fitted))
+            if len(fitted) < len(row):
                 found.truncated += 1
                 if found.first_truncated is None:
                     found.first_truncated = record.line

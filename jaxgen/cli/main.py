@@ -104,14 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true",
                         help="send the raw prompt instead of wrapping it in the chat template")
     parser.add_argument("--input", help="JSONL file of {\"prompt\": ...} or {\"messages\": [...]}")
-    parser.add_argument("--output", help="JSONL file to write (with --input; appended a batch "
-                                         "at a time, crash-safe)")
+    parser.add_argument("--output", help="JSONL file to write (with --input; results appended "
+                                         "as they finish, in input order, crash-safe)")
     parser.add_argument("--resume", action="store_true",
                         help="skip the records already in --output and continue")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an --output that already holds results")
     parser.add_argument("--batch-size", type=_bounded_int(1, INT32_MAX), default=8,
-                        help="rows per batch with --input")
+                        help="rows decoded together with --input (continuous batching: "
+                             "a finished row's slot takes the next record)")
     parser.add_argument("--max-record-bytes", type=_bounded_int(1, 2**40),
                         default=None, metavar="N",
                         help="the longest --input line accepted, in bytes (default "
