@@ -8,6 +8,8 @@ Example (illustration: loads the embedded 135M model):
 """
 import importlib
 
+from jaxgen.notices.model_loads import listen_to_model_loads as _listen_to_model_loads  # stdlib
+
 # The public names and the module each comes from. They are imported on first use, so that
 # `import jaxgen` (and the `jaxgen` command's start, which installs its signal handlers
 # before jax loads) costs nothing.
@@ -36,8 +38,8 @@ _PUBLIC = {
     "validate_stopping_criteria": "jaxgen.stopping.criteria",
 }
 _PACKAGES = ("api", "backends", "cache", "cli", "config", "constraints", "core", "drivers",
-             "logits", "loops", "models", "runtime", "serving", "speculative", "stopping",
-             "storage", "train")
+             "logits", "loops", "models", "notices", "runtime", "serving", "speculative",
+             "stopping", "storage", "train")
 
 __all__ = [
     "GenerationConfig", "DecodeState", "GenerateOutput", "KVCache", "init_state", "generate",
@@ -49,6 +51,17 @@ __all__ = [
     "SynthIDTextDetector",
 ]
 __version__ = "0.1.0"
+
+
+def _start_kernel_builds(weights: str, file_bytes) -> None:
+    """A model is loading (jaxgen.models.load announces it): the backend starts the native
+    builds it may need, through the seam (jaxgen.models may not import it)."""
+    from jaxgen.runtime import backend
+
+    backend.start_builds_for_load(weights, file_bytes)
+
+
+_listen_to_model_loads(_start_kernel_builds)
 
 
 def __getattr__(name):

@@ -26,6 +26,7 @@ PACKAGE = ROOT / "jaxgen"
 FLOORS = {
     "jaxgen.cache": 0,        # KV caches and attention over them
     "jaxgen.storage": 0,      # private cache folders and files, keyed checksums
+    "jaxgen.notices": 0,      # announcements lower floors make for higher ones (model loads)
     "jaxgen.config": 1,       # GenerationConfig, field checks, watermarking settings
     "jaxgen.stopping": 2,     # stop reasons, criteria, stop strings
     "jaxgen.logits": 2,       # the processor chain, warpers, sampling, watermarking

@@ -54,6 +54,7 @@ from jaxgen.models.shipped_drafters import (
 )
 from jaxgen.models.tokenizer import Tokenizer
 from jaxgen.models.vocab_sizes import warn_if_model_vocab_larger
+from jaxgen.notices.model_loads import announce_model_load
 
 KNOWN_MODELS = tuple(EMBEDDED) + (DRAFT_NAME, MTP_DRAFTER_NAME, UAD_DRAFT_NAME)
 
@@ -137,12 +138,36 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
 
     A model with more ids than its tokenizer gets a one-line RuntimeWarning naming both sizes
     (the extra ids decode to nothing, as in transformers: jaxgen/models/vocab_sizes.py).
+    Before reading a weight, load announces their kind and files' size
+    (jaxgen.notices.model_loads): on XLA:CPU the native kernels they may need build meanwhile.
     """
+    check_group(weights, group)
+    announce_model_load(check_weights(weights), _weight_file_bytes(name_or_path))
     loaded = _load(name_or_path, dtype, cache_dir=cache_dir, weights=weights, group=group)
     model, _, tokenizer = loaded
     if tokenizer is not None and hasattr(model, "vocab_size"):
         warn_if_model_vocab_larger(model.vocab_size, tokenizer, os.fspath(name_or_path))
     return loaded  # the same object the per-process cache of embedded models holds
+
+
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin")
+
+
+def _weight_file_bytes(name_or_path) -> int | None:
+    """The size of the files a load reads its weights from (announced before the load, so
+    that the backend can prepare meanwhile); None when not known (shipped drafts, no file)."""
+    name = os.fspath(name_or_path)
+    try:
+        if name.lower() in EMBEDDED:
+            return os.path.getsize(embedded_path(name.lower()))
+        if os.path.isfile(name):
+            return os.path.getsize(name)
+        if os.path.isdir(name):
+            return sum(entry.stat().st_size for entry in os.scandir(name)
+                       if entry.name.endswith(WEIGHT_FILE_SUFFIXES) and entry.is_file())
+    except OSError:
+        return None
+    return None
 
 
 def _check_family_takes(name_or_path, weights: str) -> None:

@@ -13,7 +13,9 @@ every generate call and a static argument of every program (jit keys on it), cho
 The native kernels' side (XLA:CPU): `kernel_setting()` ($JAXGEN_CPU_KERNELS, parsed: part of
 every executable-cache key), `native_target_names()` (what a stored program may call: the
 executable cache records which ones it does), `register_native_targets(names)` (before such
-a program is loaded) and `start_native_build()` (the CLI, before it loads a model).
+a program is loaded), `start_native_build()` (the CLI, before it loads a model) and
+`start_builds_for_load(weights, file_bytes)` (a model is loading: the facade passes on
+`jaxgen.models.load`'s announcement, jaxgen.notices.model_loads).
 
 Example:
     >>> check_layout("portable")
@@ -124,6 +126,21 @@ def start_native_build(temporary: bool = False) -> None:
     _kernels().start_background_build()
 
 
+def start_builds_for_load(weights: str, file_bytes: int | None) -> None:
+    """A model of these weights ("float", "int8", "gguf"), from files of this size, is loading:
+    the native builds it may need start in the background (XLA:CPU with kernels on; nothing
+    for a library built already). A bad $JAXGEN_CPU_KERNELS or build timeout starts nothing
+    here: the first call that reads it names it."""
+    if jax.default_backend() != "cpu":
+        return
+    try:
+        if kernel_setting() == "off":
+            return
+        _kernels().start_builds_for(weights, file_bytes)
+    except ValueError:
+        return
+
+
 __all__ = ["LAYOUTS", "check_layout", "finish", "kernel_setting", "layout_pieces", "layout_plan",
-           "native_target_names", "prepare", "register_native_targets", "start_native_build",
-           "with_layout"]
+           "native_target_names", "prepare", "register_native_targets", "start_builds_for_load",
+           "start_native_build", "with_layout"]

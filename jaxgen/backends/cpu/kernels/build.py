@@ -16,10 +16,15 @@ library already there is loaded, a missing one builds into a private folder remo
 The compiler runs in a process group of its own with a deadline ($JAXGEN_KERNEL_BUILD_TIMEOUT
 seconds, default 120, for the whole build): past it the group is killed, and so it is when
 the build is interrupted (an exception, SIGTERM while waiting, the process exiting; on Linux
-the compiler also dies with the process). `start_background_build()` starts the few-row
-kernel's build in a thread (the CLI calls it before loading the model); the first use then
-waits at most what is left of the deadline. `python -m jaxgen.backends.cpu.kernels.build`
-builds both libraries ahead of time.
+the compiler also dies with the process). `start_background_build(sources)` starts builds in
+threads, each under its own deadline, unless the library is in the kernel folder already
+(`library_ready`: one `--version` run, no build); the first use then waits at most what is
+left of that deadline, and a build that failed or ran out of time gives XLA's own products.
+`start_builds_for(weights, file_bytes)` is what a model load starts (`jaxgen.models.load`
+announces it; runtime.backend passes it on): the few-row kernel, and the quantized one for
+int8 / GGUF weights, when the weight files are large enough for "auto" to lay the weights out.
+The CLI also starts the few-row build before it loads a model. `python -m
+jaxgen.backends.cpu.kernels.build` builds both libraries ahead of time.
 
 $JAXGEN_CPU_KERNELS (`parse_kernel_setting`): auto / on / 1 / true / yes (or unset) build and
 use the kernels, off / 0 / false / no never build; anything else is a ValueError naming the
@@ -57,6 +62,7 @@ import jax
 import jaxlib
 
 from jaxgen.backends.cpu.kernels.compiler_run import run_compiler, terms_while_waiting
+from jaxgen.backends.cpu.tuning import SPLIT_MIN_BYTES
 from jaxgen.storage.private import (
     NotPrivate,
     check_private_file,
@@ -81,6 +87,11 @@ DEFAULT_TIMEOUT_S = 120.0
 STALE_BUILD_S = 3600.0  # a half-built file this old was left by a build that was killed
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler refuses them
+CHECK_TIMEOUT_S = 5.0  # library_ready's `--version` run (the loading thread waits on it)
+# A weight file's bytes times this bound its float32 weights (4-bit codes: 8x): a load starts
+# the builds when that may reach SPLIT_MIN_BYTES, the size "auto" lays weights out from.
+WEIGHT_FILE_EXPANSION = 8
+QUANTIZED_WEIGHTS = ("int8", "gguf")  # load's weights= that the quantized kernel runs
 
 
 def parse_kernel_setting(raw: str | None) -> str:
@@ -163,8 +174,18 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
+_VERSIONS: dict[str, str] = {}  # compiler -> its `--version` text (asked once a process)
+
+
+def _compiler_version(deadline: float) -> str:
+    compiler = _compiler()
+    if compiler not in _VERSIONS:
+        _VERSIONS[compiler] = run_compiler([compiler, "--version"], deadline, _BUILD).stdout
+    return _VERSIONS[compiler]
+
+
 def _library_name(source: Path, flags: tuple[str, ...], deadline: float) -> str:
-    version = run_compiler([_compiler(), "--version"], deadline, _BUILD).stdout
+    version = _compiler_version(deadline)
     digest = hashlib.sha256("\n".join([
         source.read_text(), HEADER.read_text(), " ".join(flags), jaxlib.__version__, version,
         _cpu_flags(),
@@ -293,16 +314,58 @@ _BUILDS: dict[str, _Build] = {}  # source name -> its background build
 _BUILDS_LOCK = threading.Lock()
 
 
-def start_background_build() -> None:
-    """Starts building the few-row kernel in a thread (nothing when kernels are off or the
-    build has started or finished): the first use waits at most the rest of the deadline."""
-    if kernel_setting() == "off" or _registered_target.cache_info().currsize:
-        return
-    with _BUILDS_LOCK:
-        if SOURCE.name not in _BUILDS:
-            build = _Build(SOURCE, time.monotonic() + build_timeout())
-            _BUILDS[SOURCE.name] = build
-            build.start()
+def library_ready(source: Path) -> bool:
+    """True when `source`'s library is in the kernel folder already, so that a build would
+    compile nothing (one `--version` run, under CHECK_TIMEOUT_S; any failure: False)."""
+    deadline = time.monotonic() + min(build_timeout(), CHECK_TIMEOUT_S)
+    try:
+        name = _library_name(source, FLAGS + NATIVE_FLAGS, deadline)
+        if _TEMPORARY and _in_user_cache(name) is not None:
+            return True
+        return _checked(kernel_folder() / name)
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return False
+
+
+def _registered(source: Path) -> bool:
+    """True when `source`'s kernel is registered in this process (or found unavailable)."""
+    registered = {QUANTIZED_SOURCE.name: _registered_quantized_target}.get(source.name,
+                                                                          _registered_target)
+    return bool(registered.cache_info().currsize)
+
+
+def start_background_build(sources=None) -> list[str]:
+    """Starts building each of `sources` (None: the few-row kernel's) in a thread of its own
+    with its own deadline; nothing for one that is registered, building or built already
+    (`library_ready`), or when kernels are off. The first use waits at most the rest of that
+    deadline. Returns the names of the sources whose build started."""
+    if kernel_setting() == "off":
+        return []
+    started = []
+    for source in (SOURCE,) if sources is None else sources:
+        with _BUILDS_LOCK:
+            pending = source.name in _BUILDS
+        if pending or _registered(source) or library_ready(source):
+            continue
+        with _BUILDS_LOCK:
+            if source.name not in _BUILDS:
+                build = _Build(source, time.monotonic() + build_timeout())
+                _BUILDS[source.name] = build
+                build.start()
+                started.append(source.name)
+    return started
+
+
+def start_builds_for(weights: str, file_bytes: int | None) -> list[str]:
+    """The builds a model load may need, started in the background (start_background_build):
+    the few-row kernel's, and the quantized kernel's for `weights` "int8" / "gguf"; none when
+    `file_bytes` (the weight files' size) is unknown or too small for "auto" to lay the
+    weights out (WEIGHT_FILE_EXPANSION x file_bytes < SPLIT_MIN_BYTES: a first use with
+    layout="split" builds then). Returns the names of the sources whose build started."""
+    if file_bytes is None or file_bytes * WEIGHT_FILE_EXPANSION < SPLIT_MIN_BYTES:
+        return []
+    sources = (SOURCE, QUANTIZED_SOURCE) if weights in QUANTIZED_WEIGHTS else (SOURCE,)
+    return start_background_build(sources)
 
 
 def _library_path(source: Path) -> Path:
@@ -404,8 +467,8 @@ def main(argv=None) -> int:
 
 __all__ = ["NATIVE_TARGETS", "SETTINGS", "build_library", "build_timeout", "cache_dir",
            "ffi_target", "group_rows", "kernel_folder", "kernel_setting", "parse_kernel_setting",
-           "quantized_target", "register_targets", "start_background_build",
-           "use_temporary_folder"]
+           "library_ready", "quantized_target", "register_targets", "start_background_build",
+           "start_builds_for", "use_temporary_folder"]
 
 
 if __name__ == "__main__":
