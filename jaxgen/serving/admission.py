@@ -111,6 +111,43 @@ def _put_rows(old: jax.Array, new: jax.Array, slot: jax.Array) -> jax.Array:
     return old.at[slot].set(new.astype(old.dtype), mode="drop")
 
 
+def newcomer_state(state: DecodeState, inputs: Admission) -> DecodeState:
+    """The newcomers' own state before their prefill: their prompts in a buffer as wide as
+    the slots', a fresh cache, their budgets and keys (traced, inside an admission)."""
+    rows, bucket = inputs.tokens.shape
+    width = state.buffer_len
+    tokens = jnp.full((rows, width), state.pad, jnp.int32)  # [N, T]
+    tokens = jax.lax.dynamic_update_slice(tokens, inputs.tokens, (0, 0))  # [N, T]
+    fresh = state.model.init_cache(rows, width, cache_dtype(state.cache))
+    return state.replace(
+        tokens=tokens, length=inputs.prompt_len, prompt_len=inputs.prompt_len,
+        max_new=inputs.max_new, done=jnp.zeros((rows,), bool),
+        stop_reason=jnp.zeros((rows,), jnp.int32), cache=fresh, key=inputs.key,
+        prompt_bucket=bucket, constraint=None if state.constraint is None else
+        state.constraint.replace(state=jnp.full(  # [N]: every newcomer at the start
+            (rows,), state.constraint.automaton.initial, jnp.int32)))
+
+
+def scatter_newcomers(state: DecodeState, newcomers: DecodeState, slot: jax.Array,
+                      axes: tuple) -> DecodeState:
+    """The slots' state with the newcomers' rows written at slot [N] (out of range: dropped);
+    axes: the cache leaves' batch axes (slot_cache_axes)."""
+    constraint = None if state.constraint is None else state.constraint.replace(
+        state=_put_rows(state.constraint.state, newcomers.constraint.state, slot))
+    key_data = _put_rows(jax.random.key_data(state.key), jax.random.key_data(newcomers.key),
+                         slot)  # [S, 2]
+    return state.replace(
+        tokens=_put_rows(state.tokens, newcomers.tokens, slot),
+        length=_put_rows(state.length, newcomers.length, slot),
+        prompt_len=_put_rows(state.prompt_len, newcomers.prompt_len, slot),
+        max_new=_put_rows(state.max_new, newcomers.max_new, slot),
+        done=_put_rows(state.done, newcomers.done, slot),
+        stop_reason=_put_rows(state.stop_reason, newcomers.stop_reason, slot),
+        cache=scatter_cache_rows(state.cache, newcomers.cache, slot, axes),
+        key=jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(state.key)),
+        constraint=constraint)
+
+
 @dataclasses.dataclass(frozen=True)
 class AdmitLoop:
     """A loop whose `start` admits newcomers into the slots (jaxgen.runtime.compiled.start:
@@ -126,37 +163,10 @@ class AdmitLoop:
     def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs: Admission):
         """(the slots' state with the newcomers in their slots, the newcomers' first-token
         StepRecord [N, 1]). cfg: the newcomers' program config (per-row values [N])."""
-        rows, bucket = inputs.tokens.shape
-        width = state.buffer_len
-        tokens = jnp.full((rows, width), state.pad, jnp.int32)  # [N, T]
-        tokens = jax.lax.dynamic_update_slice(tokens, inputs.tokens, (0, 0))  # [N, T]
-        fresh = state.model.init_cache(rows, width, cache_dtype(state.cache))
-        newcomers = state.replace(
-            tokens=tokens, length=inputs.prompt_len, prompt_len=inputs.prompt_len,
-            max_new=inputs.max_new, done=jnp.zeros((rows,), bool),
-            stop_reason=jnp.zeros((rows,), jnp.int32), cache=fresh, key=inputs.key,
-            prompt_bucket=bucket, constraint=None if state.constraint is None else
-            state.constraint.replace(state=jnp.full(  # [N]: every newcomer at the start
-                (rows,), state.constraint.automaton.initial, jnp.int32)))
-        newcomers, record = decode_start(params, newcomers, cfg)
+        newcomers, record = decode_start(params, newcomer_state(state, inputs), cfg)
         first = jax.tree_util.tree_map(lambda a: a[:, :1], record)  # [N, 1, ...] step 0
-        slot = inputs.slot
-        constraint = None if state.constraint is None else state.constraint.replace(
-            state=_put_rows(state.constraint.state, newcomers.constraint.state, slot))
-        key_data = _put_rows(jax.random.key_data(state.key), jax.random.key_data(newcomers.key),
-                             slot)  # [S, 2]
-        return state.replace(
-            tokens=_put_rows(state.tokens, newcomers.tokens, slot),
-            length=_put_rows(state.length, newcomers.length, slot),
-            prompt_len=_put_rows(state.prompt_len, newcomers.prompt_len, slot),
-            max_new=_put_rows(state.max_new, newcomers.max_new, slot),
-            done=_put_rows(state.done, newcomers.done, slot),
-            stop_reason=_put_rows(state.stop_reason, newcomers.stop_reason, slot),
-            cache=scatter_cache_rows(state.cache, newcomers.cache, slot, self.axes),
-            key=jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(state.key)),
-            constraint=constraint,
-        ), first
+        return scatter_newcomers(state, newcomers, inputs.slot, self.axes), first
 
 
 __all__ = ["Admission", "AdmitLoop", "admission_rows", "empty_slots", "host_admission",
-           "slot_cache_axes"]
+           "newcomer_state", "scatter_newcomers", "slot_cache_axes"]

@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxgen import stopping
 from jaxgen.api.generate import default_config
-from jaxgen.api.plan import canonical_config
+from jaxgen.api.plan import canonical_config, choose_drafter
 from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.config.program import program_config
@@ -55,6 +55,7 @@ from jaxgen.serving.admission import (
     slot_cache_axes,
 )
 from jaxgen.serving.requests import EngineClosed, QueueFull, RequestHandle
+from jaxgen.serving.spec_slots import SpeculativeSlots, check_speculative, since_sent
 from jaxgen.serving.settings import (
     SAMPLING_FIELDS,
     check_engine_config,
@@ -101,12 +102,16 @@ class Engine:
     layout (jaxgen.runtime.backend.LAYOUTS). constraint: a TokenAutomaton every request
     follows (jaxgen.constraints.compile), or None. Each handle also gets its tokens'
     log-probs (and, with cfg.top_logprobs = k, the k most likely alternatives).
+    Speculative decoding: prompt_lookup_num_tokens=K, use_mtp=True or assistant_model=
+    (draft, draft_params) make each chunk `chunk_size` assisted rounds, every row accepting
+    its own drafts (jaxgen.serving.spec_slots; greedy tokens equal a solo generate call).
     """
 
     def __init__(self, model, params, cfg: GenerationConfig | None = None, *, slots: int = 8,
                  max_len: int = 512, chunk_size: int = 8,
                  max_waiting: int = DEFAULT_MAX_WAITING, layout: str = "auto",
-                 cache_dtype=jnp.float32, constraint=None, **overrides):
+                 cache_dtype=jnp.float32, constraint=None, assistant_model=None,
+                 **overrides):
         check_int("slots", slots, low=1)
         check_int("max_len", max_len, low=2)
         check_int("chunk_size", chunk_size, low=1)
@@ -124,6 +129,7 @@ class Engine:
         self._record = StepRecord.empty(slots, chunk_size, model.vocab_size, cfg)
         self._values = {name: np.full((slots,), getattr(cfg, name)) for name in SAMPLING_FIELDS}
         self._chunk_cfg = self._program_cfg(self._values)
+        self._spec = self._speculative(assistant_model, constraint)
         self._running: list = [None] * slots  # the _Request in each slot
         self._sent = np.zeros((slots,), np.int64)  # tokens of each slot handed out
         self._waiting: collections.deque = collections.deque()
@@ -208,6 +214,15 @@ class Engine:
         """Requests in a slot."""
         return sum(r is not None for r in self._running)
 
+    def speculative_counts(self) -> dict:
+        """A speculative engine's drafts proposed ("drafted"), accepted ("accepted") and
+        verify rounds ("rounds"), summed over every request so far."""
+        if self._spec is None:
+            raise ValueError("speculative_counts: this engine does not draft (build it with "
+                             "prompt_lookup_num_tokens= or assistant_model=)")
+        with self._device:
+            return self._spec.counts()
+
     # ----------------------------------------------------------------- checks
     def _check_prompt(self, prompt_ids) -> list:
         if isinstance(prompt_ids, (np.ndarray, jax.Array)):
@@ -251,6 +266,21 @@ class Engine:
             cfg = cfg.replace(**{name: np.asarray(values[name]) for name in SAMPLING_FIELDS})
         return program_config(canonical_config(cfg))
 
+    def _speculative(self, assistant_model, constraint) -> SpeculativeSlots | None:
+        """The assisted loop's slots for a config that drafts (prompt lookup) or an
+        assistant_model=(model, params); None for the plain engine."""
+        drafter, inputs = choose_drafter(self.cfg, self.model, assistant_model, None)
+        if drafter is None:
+            return None
+        check_speculative(self.cfg, drafter, constraint)
+        values = lambda rows: {name: np.full((rows,), getattr(self.cfg, name))  # noqa: E731
+                               for name in SAMPLING_FIELDS}
+        spec = SpeculativeSlots(self.model, self.params, self.cfg, self._state, drafter,
+                                inputs, lambda rows: self._program_cfg(values(rows)),
+                                self._admit_loop.axes, self.max_len)
+        self._record = spec.record
+        return spec
+
     def _admit(self, prompts, budgets, keys, slots, values, bucket):
         rows = admission_rows(len(prompts), self.slots)
         padded = values + [self._neutral()] * (rows - len(values))
@@ -258,10 +288,20 @@ class Engine:
                                    no_slot=self.slots)
         cfg = self._program_cfg({name: np.asarray([v[name] for v in padded])
                                  for name in SAMPLING_FIELDS})
+        if self._spec is not None:  # the assisted loop's carry rows are admitted too
+            state = self._spec.admit(self.params, self._state, cfg, admission, slots,
+                                     self.layout)
+            self._record = self._spec.record
+            return state, None
         return compiled.start(self.params, self._state, cfg, admission,
                               loop=self._admit_loop, layout=self.layout)
 
     def _advance(self) -> None:
+        if self._spec is not None:  # chunk_size assisted rounds
+            self._state = self._spec.advance(self.params, self._state, self._chunk_cfg,
+                                             self.chunk_size, self.layout)
+            self._record = self._spec.record
+            return
         self._state, self._record = compiled.advance(
             self.params, self._state, self._record, jnp.int32(0), jnp.int32(self.chunk_size),
             self._chunk_cfg, None, loop=DecodeLoop(), layout=self.layout)
@@ -294,6 +334,9 @@ class Engine:
             self._state.tokens)))
         chunk, firsts = jax.device_get((_logprob_parts(self._record), {
             slot: _logprob_parts(record) for slot, (record, _) in self._first.items()}))
+        if self._spec is not None:  # its record is indexed by new-token number
+            chunk = since_sent(chunk, [0 if r is None else self._sent[s] - len(
+                r.handle.prompt_ids) for s, r in enumerate(self._running)])
         ended = []
         for slot, request in enumerate(self._running):
             if request is None:
@@ -345,7 +388,8 @@ class Engine:
                                          [r.key for r in requests], slots,
                                          [r.values for r in requests], bucket)
         for row, (slot, request) in enumerate(taken):
-            self._first[slot] = (first, row)
+            if first is not None:
+                self._first[slot] = (first, row)
             self._running[slot] = request
             self._sent[slot] = len(request.handle.prompt_ids)
             for name in SAMPLING_FIELDS:

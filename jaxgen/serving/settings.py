@@ -38,8 +38,6 @@ def check_engine_config(cfg: GenerationConfig) -> None:
         "num_beams": (cfg.num_beams != 1, "beam search needs its beams together"),
         "num_return_sequences": (cfg.num_return_sequences not in (None, 1),
                                  "submit the prompt once per sequence"),
-        "prompt_lookup_num_tokens": (cfg.prompt_lookup_num_tokens is not None,
-                                     "speculative decoding is not scheduled"),
         "stop_strings": (cfg.stop_strings is not None, "stop strings are not scheduled"),
         "guidance_scale": (cfg.guidance_scale not in (None, 1, 1.0),
                            "classifier-free guidance is not scheduled"),
