@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from jaxgen.cli.errors import EXIT_MODEL, EXIT_USAGE, CliError
@@ -92,8 +93,16 @@ def main(argv) -> int:
                     api_key=args.api_key or os.environ.get("JAXGEN_API_KEY"),
                     slots=args.slots, max_len=max_len, chunk_size=args.chunk_size,
                     max_waiting=args.max_waiting, warm_up_lengths=(1,))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=args.grace)
+    # uvicorn re-raises the signal it shut down on, to the handler it found (SIGTERM's
+    # default kills the process: -15); a handler that does nothing keeps the documented 0
+    previous = {sig: signal.signal(sig, lambda *_: None)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                    timeout_graceful_shutdown=args.grace)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
