@@ -65,8 +65,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxgen.cache import CACHE_KINDS, Cache, make_cache
-from jaxgen.models.llama import ModelOutput
+from jaxgen.cache import Cache
+from jaxgen.models.llama import ModelOutput, uniform_cache
 
 SIZES = ("vocab_size", "num_layers", "num_kv_heads", "head_dim")  # required: the cache's shape
 PROTOCOL = ("module(tokens [B, S] int32, positions [B, S] int32, cache) -> (logits [B, S, V], "
@@ -108,12 +108,7 @@ class FlaxModel:
                    cache_config: dict | None = None) -> Cache:
         """An empty cache of `kind` (jaxgen.cache.CACHE_KINDS): k, v [L, batch, Hkv, max_len,
         Dh] for the static kind."""
-        if kind not in CACHE_KINDS:
-            raise ValueError(f"unknown cache kind {kind!r}; allowed: {', '.join(CACHE_KINDS)}")
-        cfg = self.config
-        return make_cache(kind, num_layers=cfg.num_layers, batch=batch, max_len=max_len,
-                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
-                          sliding_window=cfg.sliding_window, cache_config=cache_config)
+        return uniform_cache(self.config, kind, batch, max_len, dtype, cache_config)
 
     def run_module(self, params: Any, tokens: jax.Array, positions: jax.Array,
                    cache: Cache) -> Any:

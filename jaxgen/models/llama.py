@@ -300,6 +300,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None] + _rotate_half(x) * sin[:, :, None]  # [B, S, N, Dh]
 
 
+def uniform_cache(cfg, kind: str, batch: int, max_len: int, dtype, cache_config) -> Cache:
+    """An empty cache of `kind` for a model whose layers share one KV shape: `cfg` holds
+    num_layers, num_kv_heads, head_dim and sliding_window (a LlamaConfig or alike)."""
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"unknown cache kind {kind!r}; allowed: {', '.join(CACHE_KINDS)}")
+    return make_cache(kind, num_layers=cfg.num_layers, batch=batch, max_len=max_len,
+                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+                      sliding_window=cfg.sliding_window, cache_config=cache_config)
+
+
 @dataclasses.dataclass(frozen=True)
 class Llama:
     """Llama-family decoder. Hashable; usable as a static jit argument."""
@@ -316,12 +326,7 @@ class Llama:
         """An empty cache of `kind` (jaxgen.cache.CACHE_KINDS, HF's cache_implementation
         names) for `max_len` positions; the static kind holds k, v [L, batch, Hkv, max_len,
         Dh] (heads-major)."""
-        if kind not in CACHE_KINDS:
-            raise ValueError(f"unknown cache kind {kind!r}; allowed: {', '.join(CACHE_KINDS)}")
-        cfg = self.config
-        return make_cache(kind, num_layers=cfg.num_layers, batch=batch, max_len=max_len,
-                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
-                          sliding_window=cfg.sliding_window, cache_config=cache_config)
+        return uniform_cache(self.config, kind, batch, max_len, dtype, cache_config)
 
     def init_params(self, key: jax.Array, dtype=jnp.float32) -> dict:
         """Random parameters (normal, std 0.02; norms at 1) in the params layout above."""
