@@ -1,0 +1,99 @@
+"""The cost of a wide verify forward: batch 1, S positions with the cache carried, against S = 1.
+
+SmolLM2-135M-Instruct, fp32, a cache already holding `--position` tokens. For each width S
+the forward of S tokens (logits at every one, as speculative and tree verification need) is
+timed as a median of `--repeats`, in jaxgen's portable program (stacked layers, the path a
+GPU / TPU runs), in the CPU layout `layout="auto"` picks for S rows (per-layer weights, the
+native few-row kernels where they are built), and in llama.cpp (an F32 GGUF written from
+the same weights, 2 threads) when llama-cpp-python is installed. Ratios are to each
+system's own S = 1; the host line names the CPU's vector flags and the bandwidth probe.
+
+    python benchmarks/bench_verify_width.py [--widths 1 2 4 8 16] [--position 128] [--repeats 15]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_ab import host_line
+from report_table import table_header, table_row
+
+import jaxgen
+from jaxgen.backends.cpu import layer_split
+from jaxgen.cache.layer_forms import to_layer_tuples
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    """Median seconds of fn(*args) after one compiling call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def jaxgen_forward_seconds(model, params, width: int, position: int, layout: str,
+                           repeats: int) -> float:
+    """One batch-1 forward of `width` tokens over a cache of `position` tokens."""
+    if layout == "auto":  # the weights as the backend lays them out for `width` rows
+        params = layer_split.for_decoding(model, params, rows=width, layout="auto")
+    cache = model.init_cache(1, position + width + 16)
+    if isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple)):
+        cache = to_layer_tuples(cache)  # per-layer weights run a per-layer cache
+    forward = jax.jit(lambda p, t, pos, c: model(p, t, pos, c).logits)
+    tokens = jnp.zeros((1, width), jnp.int32)  # [1, S]
+    positions = jnp.arange(position, position + width, dtype=jnp.int32)[None]  # [1, S]
+    return median_seconds(forward, params, tokens, positions, cache, repeats=repeats)
+
+
+def llama_cpp_seconds(widths, position: int, repeats: int) -> dict | None:
+    """{S: seconds} of llama.cpp's F32 forward, or None without llama-cpp-python."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama_cpp is not installed: no llama.cpp row")
+        return None
+    from bench_speed import llama_cpp_forward_seconds, write_f32_gguf
+
+    from jaxgen.models.embedded import embedded_path
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_f32_gguf(embedded_path(DEFAULT_MODEL), os.path.join(folder, "f32.gguf"))
+        return llama_cpp_forward_seconds(path, widths, position=position, threads=2,
+                                         repeats=repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--position", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    widths = sorted(set([1] + args.widths))
+    model, params, _ = jaxgen.models.load(DEFAULT_MODEL)
+    print(f"{host_line()}; cache holds {args.position} tokens")
+    rows = {}
+    for name, layout in (("jaxgen portable (stacked)", "portable"),
+                         ("jaxgen layout=auto (per-layer, kernels)", "auto")):
+        rows[name] = {w: jaxgen_forward_seconds(model, params, w, args.position, layout,
+                                                args.repeats) for w in widths}
+    llama = llama_cpp_seconds(widths, args.position, args.repeats)
+    if llama is not None:
+        rows["llama.cpp F32"] = llama
+    print(table_header("system", *(f"S={w}" for w in widths)))
+    for name, seconds in rows.items():
+        print(table_row(name, *(f"{seconds[w] * 1e3:.1f} ms ({seconds[w] / seconds[1]:.2f}x)"
+                                for w in widths)))
+
+
+if __name__ == "__main__":
+    main()
