@@ -194,6 +194,23 @@ def llama_cpp_forward_seconds(path, widths, position: int = 128, threads: int = 
     return {width: float(np.median(values)) for width, values in times.items()}
 
 
+def llama_cpp_f32_forward_seconds(widths, position: int = 128,
+                                  repeats: int = 7) -> dict | None:
+    """`llama_cpp_forward_seconds` on an F32 GGUF written from the default model's weights
+    (2 threads), or None (with a printed note) without llama-cpp-python."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama_cpp is not installed: no llama.cpp figures")
+        return None
+    from jaxgen.models.embedded import embedded_path
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_f32_gguf(embedded_path(DEFAULT_MODEL), os.path.join(folder, "f32.gguf"))
+        return llama_cpp_forward_seconds(path, widths, position=position, threads=2,
+                                         repeats=repeats)
+
+
 # --------------------------------------------------------------------------- profile
 def profile_pieces(model, params, batch: int, steps: int = 32, repeats: int = 5) -> dict:
     """Milliseconds per decode step of each piece, each run `steps` times inside one jitted

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 
 import jax
@@ -162,18 +161,11 @@ def mtp_step_seconds(drafter, dparams, model, params, position: int = 128) -> fl
 def llama_cpp_costs(drafts) -> dict | None:
     """{k: llama.cpp's forward of k + 1 tokens / its one-token forward} on an F32 GGUF of
     the same weights (batch 1, 2 threads), or None without llama-cpp-python."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("llama_cpp is not installed: no llama.cpp cost columns")
+    from bench_speed import llama_cpp_f32_forward_seconds
+
+    seconds = llama_cpp_f32_forward_seconds([1] + [k + 1 for k in drafts])
+    if seconds is None:
         return None
-    from bench_speed import llama_cpp_forward_seconds, write_f32_gguf
-
-    from jaxgen.models.embedded import embedded_path
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = write_f32_gguf(embedded_path(DEFAULT_MODEL), os.path.join(folder, "f32.gguf"))
-        seconds = llama_cpp_forward_seconds(path, [1] + [k + 1 for k in drafts])
     print(f"llama.cpp F32 (batch 1, 2 threads): one-token forward {seconds[1] * 1e3:.1f} ms, "
           + ", ".join(f"{k + 1} tokens {seconds[k + 1] / seconds[1]:.2f}" for k in drafts),
           flush=True)

@@ -13,32 +13,18 @@ system's own S = 1; the host line names the CPU's vector flags and the bandwidth
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from bench_ab import host_line
+from bench_speed import llama_cpp_f32_forward_seconds
+from bench_trained_drafters import median_seconds
 from report_table import table_header, table_row
 
 import jaxgen
 from jaxgen.backends.cpu import layer_split
 from jaxgen.cache.layer_forms import to_layer_tuples
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-    """Median seconds of fn(*args) after one compiling call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from jaxgen.models import DEFAULT_MODEL
 
 
 def jaxgen_forward_seconds(model, params, width: int, position: int, layout: str,
@@ -52,24 +38,7 @@ def jaxgen_forward_seconds(model, params, width: int, position: int, layout: str
     forward = jax.jit(lambda p, t, pos, c: model(p, t, pos, c).logits)
     tokens = jnp.zeros((1, width), jnp.int32)  # [1, S]
     positions = jnp.arange(position, position + width, dtype=jnp.int32)[None]  # [1, S]
-    return median_seconds(forward, params, tokens, positions, cache, repeats=repeats)
-
-
-def llama_cpp_seconds(widths, position: int, repeats: int) -> dict | None:
-    """{S: seconds} of llama.cpp's F32 forward, or None without llama-cpp-python."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("llama_cpp is not installed: no llama.cpp row")
-        return None
-    from bench_speed import llama_cpp_forward_seconds, write_f32_gguf
-
-    from jaxgen.models.embedded import embedded_path
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = write_f32_gguf(embedded_path(DEFAULT_MODEL), os.path.join(folder, "f32.gguf"))
-        return llama_cpp_forward_seconds(path, widths, position=position, threads=2,
-                                         repeats=repeats)
+    return median_seconds(forward, params, tokens, positions, cache, runs=repeats)
 
 
 def main() -> None:
@@ -86,7 +55,7 @@ def main() -> None:
                          ("jaxgen layout=auto (per-layer, kernels)", "auto")):
         rows[name] = {w: jaxgen_forward_seconds(model, params, w, args.position, layout,
                                                 args.repeats) for w in widths}
-    llama = llama_cpp_seconds(widths, args.position, args.repeats)
+    llama = llama_cpp_f32_forward_seconds(widths, args.position, args.repeats)
     if llama is not None:
         rows["llama.cpp F32"] = llama
     print(table_header("system", *(f"S={w}" for w in widths)))
