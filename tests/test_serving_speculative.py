@@ -78,11 +78,12 @@ def test_eight_requests_through_three_slots_equal_solo_calls(tiny, requests_and_
 def test_cancel_frees_the_slot_and_the_newcomer_starts_afresh(tiny, requests_and_solo):
     model, params = tiny
     requests, solo = requests_and_solo
-    cfg = jaxgen.GenerationConfig(max_new_tokens=20, prompt_lookup_num_tokens=LOOKUP)
-    # the programs of the test above (same slots, buffer, chunk): nothing new to compile
-    engine = Engine(model, params, cfg, slots=3, max_len=48, chunk_size=4)
+    long_budget = 200  # rounds accept several tokens: a short budget can end before the cancel
+    cfg = jaxgen.GenerationConfig(max_new_tokens=long_budget, prompt_lookup_num_tokens=LOOKUP)
+    engine = Engine(model, params, cfg, slots=3, max_len=256, chunk_size=4)
     try:
-        long = [engine.submit([5, 6, 7 + i, 5, 6], max_new_tokens=30) for i in range(3)]
+        long = [engine.submit([5, 6, 7 + i, 5, 6], max_new_tokens=long_budget)
+                for i in range(3)]
         next(long[0].tokens(timeout=WAIT))  # they run
         waiting = engine.submit(requests[2][0], max_new_tokens=requests[2][1])
         long[0].cancel()
@@ -90,7 +91,7 @@ def test_cancel_frees_the_slot_and_the_newcomer_starts_afresh(tiny, requests_and
         done = waiting.result(timeout=WAIT)
     finally:
         engine.close(cancel=True, timeout=WAIT)
-    assert cancelled.status == "cancelled" and 1 <= len(cancelled.new_ids) < 30
+    assert cancelled.status == "cancelled" and 1 <= len(cancelled.new_ids) < long_budget
     assert done.status == "finished" and done.ids == solo[2]
 
 
