@@ -51,6 +51,32 @@ def test_twelve_requests_through_four_slots_equal_solo_calls_without_recompiling
     assert streamed == results[1].new_ids
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_prompts_of_any_length_prefill_in_chunks_through_two_programs(tiny, do_sample):
+    """Prompts of 1 to 62 tokens, prefilled 10 positions a chunk into a 64-token slot (the
+    last chunk of the 62-token prompt moved back to end inside the buffer): every result
+    equals its solo call, and after warm_up no prompt length compiles anything."""
+    model, params = tiny
+    cfg = jaxgen.GenerationConfig(max_new_tokens=8, do_sample=do_sample, temperature=0.8)
+    rng = np.random.default_rng(3)
+    lengths = [1, 9, 10, 11, 25, 40, 55, 62]
+    requests = [(rng.integers(1, 32, size=n).tolist(), min(8, 64 - n)) for n in lengths]
+    keys = [jax.random.key(100 + i) for i in range(len(requests))]
+    expected = [_solo(model, params, p, cfg, max_new_tokens=n, key=k)
+                for (p, n), k in zip(requests, keys)]
+    engine = Engine(model, params, cfg, slots=3, max_len=64, chunk_size=4, prefill_width=10)
+    try:
+        engine.warm_up()
+        before = jaxgen.trace_count()
+        handles = [engine.submit(p, max_new_tokens=n, key=k)
+                   for (p, n), k in zip(requests, keys)]
+        results = [h.result(timeout=WAIT) for h in handles]
+        assert jaxgen.trace_count() == before
+    finally:
+        engine.close(cancel=True, timeout=WAIT)
+    assert [r.ids for r in results] == expected
+
+
 def test_cancel_frees_the_slot_for_the_next_request(tiny):
     model, params = tiny
     cfg = jaxgen.GenerationConfig(max_new_tokens=40)

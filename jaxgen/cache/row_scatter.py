@@ -1,10 +1,12 @@
-"""Writing some rows of a cache into chosen rows of another cache of the same kind.
+"""Reading chosen rows of a cache, and writing rows into chosen rows of a cache of one kind.
 
 Continuous batching (jaxgen.serving) prefills newcomers in a cache of their own and moves
 their rows into free slots of the running cache. A cache is a PyTree whose leaves carry the
 batch on a known axis (beam search finds them with jaxgen.loops.beam.cache_batch_axes);
 `scatter_cache_rows` writes row i of `rows` into row slots[i] of `cache` along those axes. A
 slot out of range (e.g. the cache's batch) drops that row: padded newcomers write nothing.
+`take_cache_rows` reads rows slots[i] out as a cache of their own (a prompt prefilled in
+chunks straight into its slot reads the row, extends it and writes it back).
 
 Example:
     >>> import jax.numpy as jnp
@@ -16,10 +18,13 @@ Example:
     >>> out = scatter_cache_rows(running, fresh, jnp.array([2, 3]), axes=(1, 1, 0))
     >>> out.length.tolist(), out.k[0, :, 0, 0, 0].tolist()   # row 2 written, slot 3 dropped
     ([0, 0, 4], [0.0, 0.0, 1.0])
+    >>> take_cache_rows(out, jnp.array([2]), axes=(1, 1, 0)).length.tolist()
+    [4]
 """
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def _scatter_leaf(leaf: jax.Array, rows: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
@@ -43,4 +48,16 @@ def scatter_cache_rows(cache, rows, slots: jax.Array, axes: tuple):
         for old, new, axis in zip(leaves, new_leaves, axes)])
 
 
-__all__ = ["scatter_cache_rows"]
+def take_cache_rows(cache, slots: jax.Array, axes: tuple):
+    """The rows slots int32 [N] of `cache` as a cache of N rows (axes: as scatter_cache_rows;
+    a leaf without rows is kept whole)."""
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    if len(leaves) != len(axes):
+        raise ValueError(f"take_cache_rows: the cache has {len(leaves)} leaves and `axes` "
+                         f"names {len(axes)}; pass the cache's own batch axes")
+    return jax.tree_util.tree_unflatten(treedef, [
+        leaf if axis is None else jnp.take(leaf, slots, axis=axis, mode="clip")
+        for leaf, axis in zip(leaves, axes)])
+
+
+__all__ = ["scatter_cache_rows", "take_cache_rows"]

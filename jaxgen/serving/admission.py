@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache.layout import cache_dtype
-from jaxgen.cache.row_scatter import scatter_cache_rows
+from jaxgen.cache.row_scatter import scatter_cache_rows, take_cache_rows
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.automaton import start_carry
 from jaxgen.core.state import (
@@ -42,7 +42,9 @@ from jaxgen.core.state import (
     row_keys,
 )
 from jaxgen.loops.beam import cache_batch_axes
-from jaxgen.loops.decode import decode_start
+from jaxgen.core.output import StepRecord
+from jaxgen.core.step import prefill_tokens
+from jaxgen.loops.decode import choose_and_write, decode_start
 
 
 def admission_rows(count: int, slots: int) -> int:
@@ -168,5 +170,92 @@ class AdmitLoop:
         return scatter_newcomers(state, newcomers, inputs.slot, self.axes), first
 
 
-__all__ = ["Admission", "AdmitLoop", "admission_rows", "empty_slots", "host_admission",
-           "newcomer_state", "scatter_newcomers", "slot_cache_axes"]
+# ----------------------------------------------------------------------------- chunked prefill
+DEFAULT_PREFILL_WIDTH = 64  # positions one prompt chunk prefills
+
+
+def chunk_starts(prompt_len: int, width: int, buffer_len: int) -> list[int]:
+    """The first position of each chunk that prefills a prompt of `prompt_len` tokens, `width`
+    positions a chunk, in a slot of `buffer_len`: 0, width, 2 * width, ..., the last moved
+    back so it ends inside the buffer (it then recomputes a few cached positions, the same
+    keys and values).
+
+    >>> chunk_starts(40, 64, 512), chunk_starts(130, 64, 512), chunk_starts(250, 64, 256)
+    ([0], [0, 64, 128], [0, 64, 128, 192])
+    >>> chunk_starts(250, 64, 251)
+    [0, 64, 128, 187]
+    """
+    if not 1 <= prompt_len < buffer_len or width > buffer_len:
+        raise ValueError(f"chunk_starts: a prompt of {prompt_len} tokens and chunks of {width} "
+                         f"positions need a buffer longer than both (got {buffer_len})")
+    starts = list(range(0, prompt_len, width))
+    starts[-1] = min(starts[-1], buffer_len - width)
+    return starts
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptChunk:
+    """One chunk of one newcomer's prompt (a PrefillChunkLoop's dynamic inputs)."""
+
+    block: jax.Array  # int32 [1, W] the prompt at positions start .. start + W - 1, pad past it
+    start: jax.Array  # int32 [1] the block's first position
+    row: jax.Array  # int32 [1, T] the whole prompt, pad after it (the last chunk writes it)
+    prompt_len: jax.Array  # int32 [1]
+    max_new: jax.Array  # int32 [1]
+    key: jax.Array  # typed PRNG key [1]: the request's row key
+    slot: jax.Array  # int32 [1] the newcomer's slot
+
+
+def host_chunk(prompt: list, start: int, width: int, budget: int, key, slot: int,
+               buffer_len: int, pad: int) -> PromptChunk:
+    """The PromptChunk of `prompt`'s positions start .. start + width - 1 (host values)."""
+    row = np.full((1, buffer_len), pad, np.int32)  # [1, T]
+    row[0, :len(prompt)] = prompt
+    block = row[:, start:start + width]  # [1, W]
+    return PromptChunk(block=jax.device_put(block), start=jax.device_put(np.int32([start])),
+                       row=jax.device_put(row), prompt_len=jax.device_put(
+                           np.int32([len(prompt)])), max_new=jax.device_put(np.int32([budget])),
+                       key=key[None], slot=jax.device_put(np.int32([slot])))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunkLoop:
+    """A loop whose `start` prefills one chunk of a newcomer's prompt straight into its slot
+    (jaxgen.runtime.compiled.start, the slots' state donated): the slot's cache row is read,
+    extended by the chunk's positions and written back. The last chunk (`last`) also chooses
+    the first new token as the plain loop's start does (jaxgen.loops.decode.choose_and_write)
+    and writes the newcomer's tokens, length, budget, key and flags into the slot; it returns
+    that token's StepRecord [1, 1]. Two programs (last or not) serve every prompt length.
+    Static and hashable: `axes` are the cache's batch axes."""
+
+    axes: tuple
+    last: bool
+    takes_layer_tuples = False  # the slot's row is read and written stacked
+
+    def decode_rows(self, state: DecodeState, cfg: GenerationConfig) -> int | None:
+        """The slots' decode rows, so admission and decoding share one weight layout."""
+        return state.batch
+
+    def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs: PromptChunk):
+        row_cache = take_cache_rows(state.cache, inputs.slot, self.axes)  # the slot's row
+        row_cache, logits = prefill_tokens(state.model, params, inputs.block, inputs.prompt_len,
+                                           row_cache, cfg.prefill_chunk_size,
+                                           start=inputs.start)  # logits [1, V]
+        if not self.last:
+            return state.replace(cache=scatter_cache_rows(state.cache, row_cache, inputs.slot,
+                                                          self.axes)), None
+        newcomer = state.replace(
+            tokens=inputs.row, length=inputs.prompt_len, prompt_len=inputs.prompt_len,
+            max_new=inputs.max_new, done=jnp.zeros((1,), bool),
+            stop_reason=jnp.zeros((1,), jnp.int32), cache=row_cache, key=inputs.key,
+            constraint=None if state.constraint is None else state.constraint.replace(
+                state=jnp.full((1,), state.constraint.automaton.initial, jnp.int32)))
+        record = StepRecord.empty(1, 1, state.model.vocab_size, cfg)
+        newcomer, record = choose_and_write(cfg, newcomer, logits, record, 0)
+        return scatter_newcomers(state, newcomer, inputs.slot, self.axes), record
+
+
+__all__ = ["Admission", "AdmitLoop", "DEFAULT_PREFILL_WIDTH", "PrefillChunkLoop",
+           "PromptChunk", "admission_rows", "chunk_starts", "empty_slots", "host_admission",
+           "host_chunk", "newcomer_state", "scatter_newcomers", "slot_cache_axes"]

@@ -5,16 +5,19 @@ thread repeats a host step and a chunk:
 
   * host step: read the rows, hand every running request its new tokens, retire the rows
     that are done (their slot is free), end the rows whose request was cancelled, then admit
-    waiting requests into the free slots (one admission program: their prompts prefilled
-    apart, their rows scattered in);
+    waiting requests into the free slots (each prompt prefilled straight into its slot in
+    chunks of `prefill_width` positions, the last chunk choosing its first token:
+    jaxgen.serving.admission.PrefillChunkLoop);
   * chunk: `chunk_size` steps of the plain decode loop over every slot
     (jaxgen.runtime.compiled.advance with jaxgen.loops.decode.DecodeLoop, the chunked driver's
     entry), fewer once every slot is done.
 
 Budgets, keys, per-row sampling values and the slots' contents are dynamic, so requests
-coming and going compile nothing new: the chunk is one program, admission one per
-(power-of-two newcomers, prompt bucket) (`warm_up` compiles them ahead). A greedy request's
-tokens equal a solo `jaxgen.generate_ids` call's; a sampled one's too, with the same key.
+coming and going compile nothing new: the chunk is one program and admission two (a chunk
+of a prompt, its last chunk), whatever the prompts' lengths (`warm_up` compiles all three
+ahead; a speculative engine admits through one program per power-of-two newcomers and
+prompt bucket instead). A greedy request's tokens equal a solo `jaxgen.generate_ids`
+call's; a sampled one's too, with the same key.
 
 Example:
     >>> import jaxgen
@@ -48,10 +51,14 @@ from jaxgen.core.state import prompt_bucket, resolve_pad_id, row_keys, typed_key
 from jaxgen.loops.decode import DecodeLoop
 from jaxgen.runtime import compiled
 from jaxgen.serving.admission import (
+    DEFAULT_PREFILL_WIDTH,
     AdmitLoop,
+    PrefillChunkLoop,
     admission_rows,
+    chunk_starts,
     empty_slots,
     host_admission,
+    host_chunk,
     slot_cache_axes,
 )
 from jaxgen.serving.requests import EngineClosed, QueueFull, RequestHandle
@@ -97,7 +104,8 @@ class Engine:
     model, params: a jaxgen model and its weights; cfg: the program-wide GenerationConfig
     (with `overrides`, resolved as jaxgen.generate_ids does; see jaxgen.serving.settings for
     what a request may set itself). slots: rows decoded together. max_len: each slot's
-    buffer (prompt + new tokens). chunk_size: decode steps between host steps. max_waiting:
+    buffer (prompt + new tokens). chunk_size: decode steps between host steps.
+    prefill_width: prompt positions one admission chunk prefills. max_waiting:
     the waiting queue's bound (`submit` raises QueueFull past it). layout: the programs'
     layout (jaxgen.runtime.backend.LAYOUTS). constraint: a TokenAutomaton every request
     follows (jaxgen.constraints.compile), or None. Each handle also gets its tokens'
@@ -111,10 +119,11 @@ class Engine:
                  max_len: int = 512, chunk_size: int = 8,
                  max_waiting: int = DEFAULT_MAX_WAITING, layout: str = "auto",
                  cache_dtype=jnp.float32, constraint=None, assistant_model=None,
-                 **overrides):
+                 prefill_width: int = DEFAULT_PREFILL_WIDTH, **overrides):
         check_int("slots", slots, low=1)
         check_int("max_len", max_len, low=2)
         check_int("chunk_size", chunk_size, low=1)
+        check_int("prefill_width", prefill_width, low=1)
         check_int("max_waiting", max_waiting, low=1)
         cfg = default_config(model, cfg, **overrides)
         check_engine_config(cfg)
@@ -126,6 +135,9 @@ class Engine:
         self._state = empty_slots(model, cfg, slots, max_len, cache_dtype, constraint)
         self._first: dict = {}  # slot -> (first-token StepRecord [N, 1], its row): admitted
         self._admit_loop = AdmitLoop(axes=slot_cache_axes(model, cfg, max_len))
+        self.prefill_width = min(prefill_width, max_len)
+        self._chunk_loops = {last: PrefillChunkLoop(axes=self._admit_loop.axes, last=last)
+                             for last in (False, True)}
         self._record = StepRecord.empty(slots, chunk_size, model.vocab_size, cfg)
         self._values = {name: np.full((slots,), getattr(cfg, name)) for name in SAMPLING_FIELDS}
         self._chunk_cfg = self._program_cfg(self._values)
@@ -169,20 +181,27 @@ class Engine:
         return handle
 
     def warm_up(self, prompt_lengths=(1,)) -> None:
-        """Compiles the chunk program and every admission program for prompts of these
-        lengths' buckets ahead of the requests (admitting nobody)."""
-        buckets = sorted({min(prompt_bucket(int(n)), self.max_len) for n in prompt_lengths})
-        rows = sorted({admission_rows(n, self.slots) for n in range(1, self.slots + 1)})
+        """Compiles the chunk program and the admission programs ahead of the requests
+        (admitting nobody); a speculative engine's, for prompts of these lengths' buckets."""
         key = row_keys(jax.random.key(0), 1)[0]
         with self._device:
-            for bucket in buckets:
-                for count in rows:
-                    self._state, _ = self._admit([[self._pad]] * count, [1] * count,
-                                              [key] * count, [self.slots] * count,
-                                              [self._neutral()] * count, bucket)
+            if self._spec is None:  # a prompt of two chunks into no slot: both programs
+                self._prefill([self._pad] * min(self.prefill_width + 1, self.max_len - 1), 1,
+                              key, self._neutral(), self.slots)
+            else:
+                self._warm_speculative(prompt_lengths, key)
             if all(r is None for r in self._running):  # every slot done: steps nothing
                 self._advance()
         jax.block_until_ready(self._state.length)
+
+    def _warm_speculative(self, prompt_lengths, key) -> None:
+        buckets = sorted({min(prompt_bucket(int(n)), self.max_len) for n in prompt_lengths})
+        rows = sorted({admission_rows(n, self.slots) for n in range(1, self.slots + 1)})
+        for bucket in buckets:
+            for count in rows:
+                self._state = self._admit([[self._pad]] * count, [1] * count, [key] * count,
+                                          [self.slots] * count, [self._neutral()] * count,
+                                          bucket)
 
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Takes no new requests; ends the thread once every request ended (cancel=False),
@@ -281,20 +300,31 @@ class Engine:
         self._record = spec.record
         return spec
 
+    def _prefill(self, prompt: list, budget: int, key, values: dict, slot: int):
+        """Prefills `prompt` into `slot` chunk by chunk and chooses its first token (slot =
+        `slots`: into no slot, compiling only); that token's StepRecord [1, 1]."""
+        cfg = self._program_cfg({name: np.asarray([values[name]]) for name in SAMPLING_FIELDS})
+        starts = chunk_starts(len(prompt), self.prefill_width, self.max_len)
+        for index, start in enumerate(starts):
+            chunk = host_chunk(prompt, start, self.prefill_width, budget, key, slot,
+                               self.max_len, self._pad)
+            self._state, first = compiled.start(
+                self.params, self._state, cfg, chunk,
+                loop=self._chunk_loops[index == len(starts) - 1], layout=self.layout)
+        return first
+
     def _admit(self, prompts, budgets, keys, slots, values, bucket):
+        """A speculative engine's admission: the newcomers prefilled apart, then scattered
+        in with their carry rows (jaxgen.serving.spec_slots)."""
         rows = admission_rows(len(prompts), self.slots)
         padded = values + [self._neutral()] * (rows - len(values))
         admission = host_admission(prompts, budgets, keys, slots, rows, bucket, self._pad,
                                    no_slot=self.slots)
         cfg = self._program_cfg({name: np.asarray([v[name] for v in padded])
                                  for name in SAMPLING_FIELDS})
-        if self._spec is not None:  # the assisted loop's carry rows are admitted too
-            state = self._spec.admit(self.params, self._state, cfg, admission, slots,
-                                     self.layout)
-            self._record = self._spec.record
-            return state, None
-        return compiled.start(self.params, self._state, cfg, admission,
-                              loop=self._admit_loop, layout=self.layout)
+        state = self._spec.admit(self.params, self._state, cfg, admission, slots, self.layout)
+        self._record = self._spec.record
+        return state
 
     def _advance(self) -> None:
         if self._spec is not None:  # chunk_size assisted rounds
@@ -380,16 +410,17 @@ class Engine:
                 taken.append((free.pop(0), request))
         if not taken:
             return
-        slots = [slot for slot, _ in taken]
-        requests = [request for _, request in taken]
-        prompts = [r.handle.prompt_ids for r in requests]
-        bucket = min(prompt_bucket(max(len(p) for p in prompts)), self.max_len)
-        self._state, first = self._admit(prompts, [r.budget for r in requests],
-                                         [r.key for r in requests], slots,
-                                         [r.values for r in requests], bucket)
-        for row, (slot, request) in enumerate(taken):
-            if first is not None:
-                self._first[slot] = (first, row)
+        if self._spec is not None:
+            requests = [request for _, request in taken]
+            prompts = [r.handle.prompt_ids for r in requests]
+            bucket = min(prompt_bucket(max(len(p) for p in prompts)), self.max_len)
+            self._state = self._admit(prompts, [r.budget for r in requests],
+                                      [r.key for r in requests], [slot for slot, _ in taken],
+                                      [r.values for r in requests], bucket)
+        for slot, request in taken:
+            if self._spec is None:  # the plain engine: chunked, one newcomer after another
+                self._first[slot] = (self._prefill(request.handle.prompt_ids, request.budget,
+                                                   request.key, request.values, slot), 0)
             self._running[slot] = request
             self._sent[slot] = len(request.handle.prompt_ids)
             for name in SAMPLING_FIELDS:

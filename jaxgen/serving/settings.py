@@ -47,6 +47,8 @@ def check_engine_config(cfg: GenerationConfig) -> None:
         "output_scores": (bool(cfg.output_scores), "the engine returns ids only"),
         "output_logits": (bool(cfg.output_logits), "the engine returns ids only"),
         "max_time": (cfg.max_time is not None, "cancel a request instead"),
+        "prompt_logprobs": (bool(cfg.prompt_logprobs),
+                            "prompts are prefilled in chunks; new tokens' log-probs are given"),
     }
     for name, (bad, why) in refused.items():
         if bad:
