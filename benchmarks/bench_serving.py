@@ -19,10 +19,11 @@ Systems, one after the other, each against the whole load:
   * llama.cpp (llama-cpp-python's server, when installed): the F32 GGUF written from the
     same weights (bench_speed.write_f32_gguf) and the package's own Q4_1 GGUF.
 
-Compilation is kept out of the timed runs: the fixed path runs every (rows, prompt bucket)
-pair of its batches once before (a count of traces during the timed run is printed); the
-server gets a warm-up pass of bursts per prompt bucket of the load (1, 2, 4, ... requests
-admitted together while another runs), which covers most of its admission programs.
+Compilation is kept out of the timed runs: the fixed path runs each of its batches once
+before with the same shapes and budgets cut to one chunk (a count of traces during the
+timed run is printed); the server compiles its three programs at start-up (the decode
+chunk, a prompt chunk, a prompt's last chunk: every prompt length shares them) and answers
+one request before the load.
 
 Reported per system: generated tokens/s over the run (first request sent to last answer
 done), time to first token (from the request's send) p50/p99, and time per output token
@@ -187,28 +188,16 @@ async def replay(url: str, load: list[dict], model_name: str, usage: bool) -> li
     return timings
 
 
-async def warm_server(url: str, lengths: list[int], slots: int, model_name: str) -> None:
-    """Bursts of 1, 2, 4, ... completions per prompt bucket, sent while another request
-    runs, so they are admitted together: their admission programs compile now."""
+async def warm_server(url: str, length: int, model_name: str) -> None:
+    """One completion of a `length`-token prompt (the server compiled its programs at
+    start-up: the chunk, a prompt chunk and a prompt's last chunk serve every length)."""
     import httpx
 
-    from jaxgen.core.state import prompt_bucket
-
-    buckets = sorted({prompt_bucket(n) for n in lengths})
     async with httpx.AsyncClient(timeout=None) as client:
-        async def ask(length, tokens):
-            response = await client.post(url + "/v1/completions", json={
-                "model": model_name, "prompt": [100 + i % 50 for i in range(length)],
-                "max_tokens": tokens, "temperature": 0})
-            response.raise_for_status()
-
-        counts = [1 << k for k in range(slots.bit_length()) if (1 << k) < slots] or [1]
-        for bucket in buckets:
-            for count in counts:
-                holder = asyncio.ensure_future(ask(8, 48))
-                await asyncio.sleep(0.3)
-                await asyncio.gather(*(ask(bucket, 2) for _ in range(count)))
-                await holder
+        response = await client.post(url + "/v1/completions", json={
+            "model": model_name, "prompt": [100 + i % 50 for i in range(length)],
+            "max_tokens": 4, "temperature": 0})
+        response.raise_for_status()
 
 
 def run_jaxgen_server(load, lengths, args) -> dict:
@@ -222,7 +211,7 @@ def run_jaxgen_server(load, lengths, args) -> dict:
     try:
         name = "smollm2-135m-instruct"
         started = time.perf_counter()
-        asyncio.run(warm_server(url, lengths, args.slots, name))
+        asyncio.run(warm_server(url, max(lengths), name))
         print(f"jaxgen serve: warm-up {time.perf_counter() - started:.0f} s (log {log})",
               flush=True)
         return summary(asyncio.run(replay(url, load, name, usage=True)))
@@ -261,16 +250,18 @@ def run_fixed(model, params, tokenizer, load, ids, args) -> dict:
     batches = [list(range(i, min(i + args.slots, len(load))))
                for i in range(0, len(load), args.slots)]
 
-    def run(batch, budgets, timings):
-        state = init_state(model, [ids[i] for i in batch], cfg,
-                           max_new_tokens=np.asarray(budgets, np.int32))
+    def run(batch, timings, stop_after=None):
+        budgets = np.asarray([load[i]["budget"] for i in batch], np.int32)
+        state = init_state(model, [ids[i] for i in batch], cfg, max_new_tokens=budgets)
+        if stop_after is not None:  # the same shapes (one program), fewer steps
+            state = state.replace(max_new=jax.numpy.minimum(state.max_new, stop_after))
         jaxgen.generate(params, state, cfg, streamer=[RowTimes(t) for t in timings],
                         chunk_size=args.chunk_size)
 
     started = time.perf_counter()
     warm = args.chunk_size + 1  # a prefill and one whole chunk: every program runs once
-    for batch in batches:  # every (rows, bucket) compiles here, outside the timed run
-        run(batch, [warm] * len(batch), [Timing() for _ in batch])
+    for batch in batches:  # every (rows, buckets) compiles here, outside the timed run
+        run(batch, [Timing() for _ in batch], stop_after=warm)
     print(f"fixed batches: warm-up {time.perf_counter() - started:.0f} s", flush=True)
     traces = trace_count()
     timings = [Timing() for _ in load]
@@ -281,7 +272,7 @@ def run_fixed(model, params, tokenizer, load, ids, args) -> dict:
             time.sleep(wait)
         for i in batch:  # each was sent at its arrival; it waited for the batch
             timings[i].sent = start + load[i]["arrival"]
-        run(batch, [load[i]["budget"] for i in batch], [timings[i] for i in batch])
+        run(batch, [timings[i] for i in batch])
         jax.effects_barrier()
     print(f"fixed batches: {trace_count() - traces} traces during the timed run", flush=True)
     return summary(timings)

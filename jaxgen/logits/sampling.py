@@ -26,10 +26,23 @@ def sample_rows(scores: jax.Array, keys: jax.Array) -> jax.Array:
 
 def select_tokens(scores: jax.Array, row_keys: jax.Array, positions: jax.Array, *,
                   do_sample: bool) -> jax.Array:
-    """Next token per row. scores [B, V]; positions int32 [B] (where the token goes)."""
+    """Next token per row. scores [B, V]; positions int32 [B] (where the token goes).
+
+    Sampling skips the draws when every row has a single candidate left (e.g. top_k=1 rows,
+    a server's temperature-0 requests): the draw could only pick it, so the argmax is the
+    same token without the [B, V] random numbers.
+
+    >>> one = jnp.array([[-jnp.inf, 0.5, -jnp.inf], [2.0, -jnp.inf, -jnp.inf]])
+    >>> keys = jax.random.split(jax.random.key(0), 2)
+    >>> select_tokens(one, keys, jnp.array([3, 3]), do_sample=True).tolist()
+    [1, 0]
+    """
+    greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [B]
     if not do_sample:
-        return jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [B]
-    return sample_rows(scores, step_keys(row_keys, positions))  # [B]
+        return greedy
+    single = jnp.sum(scores > -jnp.inf, axis=-1) == 1  # [B]: one candidate left
+    return jax.lax.cond(jnp.all(single), lambda: greedy,
+                        lambda: sample_rows(scores, step_keys(row_keys, positions)))  # [B]
 
 
 def token_logprobs(scores: jax.Array, tokens: jax.Array) -> jax.Array:
