@@ -91,6 +91,7 @@ class Timing:
         self.times: list[float] = []  # arrival of each token (a chunk's tokens share one)
         self.tokens = 0
         self.done = None
+        self.text = ""  # the streamed answer (HTTP systems)
 
     def add(self, at: float, count: int) -> None:
         self.times.extend([at] * count)
@@ -103,8 +104,8 @@ def summary(timings: list[Timing]) -> dict:
     end = max(t.done for t in timings)
     total = sum(t.tokens for t in timings)
     ttft = [t.times[0] - t.sent for t in timings if t.times]
-    tpot = [(t.times[-1] - t.times[0]) / (len(t.times) - 1) for t in timings
-            if len(t.times) > 1]
+    tpot = [(t.times[-1] - t.times[0]) / (t.tokens - 1) for t in timings
+            if t.tokens > 1 and len(t.times) > 1]
     return {"tokens": total, "seconds": end - start, "tok/s": total / (end - start),
             "ttft p50": np.percentile(ttft, 50) * 1e3, "ttft p99": np.percentile(ttft, 99) * 1e3,
             "tpot p50": np.percentile(tpot, 50) * 1e3, "tpot p99": np.percentile(tpot, 99) * 1e3}
@@ -146,9 +147,9 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait()
 
 
-async def stream_one(client, url: str, body: dict, timing: Timing) -> None:
-    """Sends one streaming chat request; records its token times (usage's count when the
-    server reports one, else one token per content chunk)."""
+async def stream_one(client, url: str, body: dict, timing: Timing, count_tokens) -> None:
+    """Sends one streaming chat request; records its content chunks' times and its token
+    count: usage's when the server reports one, else count_tokens(the answer's text)."""
     timing.sent = time.perf_counter()
     chunks, usage = 0, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
@@ -159,16 +160,22 @@ async def stream_one(client, url: str, body: dict, timing: Timing) -> None:
             event = json.loads(line[6:])
             usage = event.get("usage") or usage
             for choice in event.get("choices") or ():
-                if (choice.get("delta") or {}).get("content"):
+                content = (choice.get("delta") or {}).get("content")
+                if content:
                     timing.add(time.perf_counter(), 1)
+                    timing.text += content
                     chunks += 1
     timing.done = time.perf_counter()
     if usage and usage.get("completion_tokens"):  # tokens with no text (EOS) count too
         timing.tokens = int(usage["completion_tokens"])
+    elif count_tokens is not None:  # a server that may put several tokens in a chunk
+        timing.tokens = max(count_tokens(timing.text), 1 if chunks else 0)
 
 
-async def replay(url: str, load: list[dict], model_name: str, usage: bool) -> list[Timing]:
-    """The whole load at its arrival times; one Timing per request."""
+async def replay(url: str, load: list[dict], model_name: str, usage: bool,
+                 count_tokens=None) -> list[Timing]:
+    """The whole load at its arrival times; one Timing per request (count_tokens: text ->
+    tokens, for a server that reports no usage)."""
     import httpx
 
     timings = [Timing() for _ in load]
@@ -182,7 +189,7 @@ async def replay(url: str, load: list[dict], model_name: str, usage: bool) -> li
                     "max_tokens": request["budget"], "temperature": 0, "stream": True}
             if usage:
                 body["stream_options"] = {"include_usage": True}
-            await stream_one(client, url, body, timing)
+            await stream_one(client, url, body, timing, count_tokens)
 
         await asyncio.gather(*(one(r, t) for r, t in zip(load, timings)))
     return timings
@@ -229,7 +236,7 @@ def run_fixed(model, params, tokenizer, load, ids, args) -> dict:
     from jaxgen.api.generate import default_config
     from jaxgen.core.state import init_state
     from jaxgen.drivers.streamers import BaseStreamer
-    from jaxgen.runtime.compiled import trace_count
+    from jaxgen.runtime.compiled import set_max_programs, trace_count
 
     cfg = default_config(model, None, do_sample=False, max_new_tokens=256)
 
@@ -258,6 +265,8 @@ def run_fixed(model, params, tokenizer, load, ids, args) -> dict:
         jaxgen.generate(params, state, cfg, streamer=[RowTimes(t) for t in timings],
                         chunk_size=args.chunk_size)
 
+    # every batch's programs stay alive through the timed run (the default keeps 16)
+    previous_limit = set_max_programs(4 * len(batches) + 16)
     started = time.perf_counter()
     warm = args.chunk_size + 1  # a prefill and one whole chunk: every program runs once
     for batch in batches:  # every (rows, buckets) compiles here, outside the timed run
@@ -275,6 +284,7 @@ def run_fixed(model, params, tokenizer, load, ids, args) -> dict:
         run(batch, [timings[i] for i in batch])
         jax.effects_barrier()
     print(f"fixed batches: {trace_count() - traces} traces during the timed run", flush=True)
+    set_max_programs(previous_limit)
     return summary(timings)
 
 
@@ -309,20 +319,22 @@ def quantize_q4_1(source: str, target: str) -> str | None:
     return target if code == 0 else None
 
 
-def run_llama_cpp(path: str, load, args, parallel_flag) -> dict:
+def run_llama_cpp(path: str, load, args, parallel_flag, tokenizer) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = os.path.join(tempfile.gettempdir(), f"bench_serving_llama_cpp_{port}.log")
     command = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--port", str(port),
                "--n_ctx", str(args.max_len * (args.slots if parallel_flag else 1)),
-               "--n_threads", str(args.threads), "--n_batch", "512"]
+               "--n_threads", str(args.threads), "--n_batch", "512",
+               "--interrupt_requests", "False"]  # queue a request behind the running one
     if parallel_flag:
         command += [parallel_flag, str(args.slots)]
     process = start_server(command, url, log)
     try:
         name = os.path.basename(path)
-        asyncio.run(replay(url, load[:2], name, usage=False))  # warm-up
-        return summary(asyncio.run(replay(url, load, name, usage=False)))
+        count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+        asyncio.run(replay(url, load[:2], name, usage=False, count_tokens=count))  # warm-up
+        return summary(asyncio.run(replay(url, load, name, usage=False, count_tokens=count)))
     finally:
         stop_server(process)
 
@@ -393,7 +405,7 @@ def main() -> None:
                 q4 = embedded_path(DEFAULT_MODEL)
             for label, path in (("F32", f32), ("Q4_1", q4)):
                 rows[f"llama.cpp server {label} ({mode})"] = run_llama_cpp(
-                    path, load, args, parallel_flag)
+                    path, load, args, parallel_flag, tokenizer)
                 print(rows[list(rows)[-1]], flush=True)
 
     print()

@@ -77,6 +77,38 @@ def test_prompts_of_any_length_prefill_in_chunks_through_two_programs(tiny, do_s
     assert [r.ids for r in results] == expected
 
 
+def test_chunks_attend_over_the_cache_their_rows_reach_with_the_same_tokens(tiny):
+    """A 300-position slot buffer runs its chunks on the cache cropped to 128, 256 or 300
+    positions (whatever every live row reaches): rows that cross 128 and 256 mid-request,
+    and a slot reused after a long request, give their solo calls' tokens, and no rung
+    compiles after warm_up."""
+    model, params = tiny
+    cfg = jaxgen.GenerationConfig(max_new_tokens=8)
+    rng = np.random.default_rng(5)
+    shapes = [(100, 60), (20, 10), (230, 60), (5, 30), (120, 20), (250, 45), (40, 90)]
+    requests = [(rng.integers(1, 32, size=n).tolist(), budget) for n, budget in shapes]
+    expected = [_solo(model, params, p, cfg, max_new_tokens=n) for p, n in requests]
+    runs = {}
+    for ladder in ((128, 256, 300), (300,)):  # cropped; the whole buffer every chunk
+        engine = Engine(model, params, cfg, slots=2, max_len=300, chunk_size=4,
+                        prefill_width=32)
+        assert engine._ladder == (128, 256, 300)
+        engine._ladder = ladder
+        try:
+            engine.warm_up()
+            before = jaxgen.trace_count()
+            handles = [engine.submit(p, max_new_tokens=n) for p, n in requests]
+            results = [h.result(timeout=WAIT) for h in handles]
+            assert jaxgen.trace_count() == before
+        finally:
+            engine.close(cancel=True, timeout=WAIT)
+        runs[ladder] = ([r.ids for r in results], [h.token_logprobs for h in handles])
+    (ids, logprobs), (whole_ids, whole_logprobs) = runs.values()
+    assert ids == expected == whole_ids
+    for mine, whole in zip(logprobs, whole_logprobs):  # the scores too, not only the argmax
+        np.testing.assert_allclose(mine, whole, rtol=1e-5, atol=1e-5)
+
+
 def test_cancel_frees_the_slot_for_the_next_request(tiny):
     model, params = tiny
     cfg = jaxgen.GenerationConfig(max_new_tokens=40)

@@ -79,6 +79,13 @@ def prepare(model, params, state, rows: int | None, layer_tuples: bool, layout: 
     return backend.prepare(model, params, state, rows, layer_tuples, layout)
 
 
+def layers_apart(params) -> bool:
+    """True when a program's prepared params hold their layers as a list (a backend's
+    unrolled forward): `prepare` then gives loops that take layer tuples the cache one
+    buffer per layer, and a loop that reshapes the cache itself holds it so too."""
+    return isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple))
+
+
 def finish(state, layout: str):
     """The state as the caller holds it, at the end of a program's trace."""
     backend = _cpu(layout)

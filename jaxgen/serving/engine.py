@@ -47,8 +47,8 @@ from jaxgen.config.generation import GenerationConfig
 from jaxgen.config.program import program_config
 from jaxgen.core.context import check_context, model_positions
 from jaxgen.core.output import StepRecord
+from jaxgen.cache.time_prefix import crops_time
 from jaxgen.core.state import prompt_bucket, resolve_pad_id, row_keys, typed_keys
-from jaxgen.loops.decode import DecodeLoop
 from jaxgen.runtime import compiled
 from jaxgen.serving.admission import (
     DEFAULT_PREFILL_WIDTH,
@@ -63,6 +63,7 @@ from jaxgen.serving.admission import (
 )
 from jaxgen.serving.requests import EngineClosed, QueueFull, RequestHandle
 from jaxgen.serving.spec_slots import SpeculativeSlots, check_speculative, since_sent
+from jaxgen.serving.visible_loop import VisibleDecodeLoop, pick_visible, visible_lengths
 from jaxgen.serving.settings import (
     SAMPLING_FIELDS,
     check_engine_config,
@@ -142,6 +143,9 @@ class Engine:
         self._values = {name: np.full((slots,), getattr(cfg, name)) for name in SAMPLING_FIELDS}
         self._chunk_cfg = self._program_cfg(self._values)
         self._spec = self._speculative(assistant_model, constraint)
+        # the decode chunk's cropped cache lengths (a speculative engine's rounds run whole)
+        self._ladder = (visible_lengths(max_len) if self._spec is None
+                        and crops_time(self._state.cache) else (max_len,))
         self._running: list = [None] * slots  # the _Request in each slot
         self._sent = np.zeros((slots,), np.int64)  # tokens of each slot handed out
         self._waiting: collections.deque = collections.deque()
@@ -191,7 +195,8 @@ class Engine:
             else:
                 self._warm_speculative(prompt_lengths, key)
             if all(r is None for r in self._running):  # every slot done: steps nothing
-                self._advance()
+                for visible in self._ladder:
+                    self._advance(visible)
         jax.block_until_ready(self._state.length)
 
     def _warm_speculative(self, prompt_lengths, key) -> None:
@@ -326,7 +331,13 @@ class Engine:
         self._record = self._spec.record
         return state
 
-    def _advance(self) -> None:
+    def _visible(self) -> int:
+        """The chunk's cropped cache length: every running row's length after the chunk."""
+        reach = max((int(self._sent[slot]) + 1 for slot, r in enumerate(self._running)
+                     if r is not None), default=1)  # a newcomer's first token is not sent yet
+        return pick_visible(self._ladder, reach + self.chunk_size)
+
+    def _advance(self, visible: int | None = None) -> None:
         if self._spec is not None:  # chunk_size assisted rounds
             self._state = self._spec.advance(self.params, self._state, self._chunk_cfg,
                                              self.chunk_size, self.layout)
@@ -334,7 +345,8 @@ class Engine:
             return
         self._state, self._record = compiled.advance(
             self.params, self._state, self._record, jnp.int32(0), jnp.int32(self.chunk_size),
-            self._chunk_cfg, None, loop=DecodeLoop(), layout=self.layout)
+            self._chunk_cfg, None, loop=VisibleDecodeLoop(visible=visible or self._visible()),
+            layout=self.layout)
 
     # ----------------------------------------------------------------- the thread
     def _run(self) -> None:

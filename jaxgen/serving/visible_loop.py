@@ -1,0 +1,65 @@
+"""The engine's decode chunk over the part of the slots' cache its rows can reach.
+
+Every slot's buffer is `max_len` positions, and attention reads all of a static cache, so a
+chunk would cost what the longest possible request costs. `VisibleDecodeLoop(visible=T')`
+runs the plain loop's steps on the cache cropped to its first T' positions and writes them
+back (jaxgen.cache.time_prefix); the engine picks the smallest T' of a short ladder
+(`visible_lengths`: powers of two, then max_len) that holds every live row's length plus
+the chunk's steps, so a few programs serve every moment of a run.
+
+Example:
+    >>> visible_lengths(704), visible_lengths(2048), visible_lengths(100)
+    ((128, 256, 512, 704), (128, 256, 512, 1024, 2048), (100,))
+    >>> pick_visible(visible_lengths(704), 300)
+    512
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
+from jaxgen.cache.time_prefix import write_prefix
+from jaxgen.loops.decode import DecodeLoop
+from jaxgen.runtime.backend import layers_apart
+
+SMALLEST_VISIBLE = 128  # the ladder's first rung (positions)
+
+
+def visible_lengths(max_len: int, smallest: int = SMALLEST_VISIBLE) -> tuple[int, ...]:
+    """The ladder of cropped lengths: powers of two from `smallest` below max_len, then
+    max_len."""
+    rungs, size = [], smallest
+    while size < max_len:
+        rungs.append(size)
+        size *= 2
+    return (*rungs, max_len)
+
+
+def pick_visible(ladder: tuple[int, ...], needed: int) -> int:
+    """The smallest rung holding `needed` positions (the last rung when none does)."""
+    return next((rung for rung in ladder if rung >= needed), ladder[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class VisibleDecodeLoop(DecodeLoop):
+    """DecodeLoop whose `advance` runs on the cache's first `visible` positions (static).
+
+    The slots' cache comes in stacked (it takes no layer tuples from the backend: splitting
+    the whole buffer per layer and stacking it back would copy all of it every chunk); the
+    cropped part is split per layer here when the params run layer by layer, and only it
+    is written back."""
+
+    visible: int = 0
+    takes_layer_tuples = False
+
+    def advance(self, params, state, record, begin, end, cfg, inputs=None):
+        full = state.cache  # stacked, [.., T, ..]
+        cropped = full.resize(self.visible)  # [.., visible, ..]
+        if layers_apart(params):
+            cropped = to_layer_tuples(cropped)
+        state, record = super().advance(params, state.replace(cache=cropped), record, begin,
+                                        end, cfg, inputs)
+        return state.replace(cache=write_prefix(full, to_stacked_layers(state.cache))), record
+
+
+__all__ = ["SMALLEST_VISIBLE", "VisibleDecodeLoop", "pick_visible", "visible_lengths"]
