@@ -78,7 +78,7 @@ def test_prompts_of_any_length_prefill_in_chunks_through_two_programs(tiny, do_s
 
 
 def test_chunks_attend_over_the_cache_their_rows_reach_with_the_same_tokens(tiny):
-    """A 300-position slot buffer runs its chunks on the cache cropped to 128, 256 or 300
+    """A 300-position slot buffer runs its chunks on the cache cropped to 128 ... 300
     positions (whatever every live row reaches): rows that cross 128 and 256 mid-request,
     and a slot reused after a long request, give their solo calls' tokens, and no rung
     compiles after warm_up."""
@@ -89,10 +89,10 @@ def test_chunks_attend_over_the_cache_their_rows_reach_with_the_same_tokens(tiny
     requests = [(rng.integers(1, 32, size=n).tolist(), budget) for n, budget in shapes]
     expected = [_solo(model, params, p, cfg, max_new_tokens=n) for p, n in requests]
     runs = {}
-    for ladder in ((128, 256, 300), (300,)):  # cropped; the whole buffer every chunk
+    for ladder in ((128, 192, 256, 300), (300,)):  # cropped; the whole buffer every chunk
         engine = Engine(model, params, cfg, slots=2, max_len=300, chunk_size=4,
                         prefill_width=32)
-        assert engine._ladder == (128, 256, 300)
+        assert engine._ladder == (128, 192, 256, 300)
         engine._ladder = ladder
         try:
             engine.warm_up()
@@ -107,6 +107,24 @@ def test_chunks_attend_over_the_cache_their_rows_reach_with_the_same_tokens(tiny
     assert ids == expected == whole_ids
     for mine, whole in zip(logprobs, whole_logprobs):  # the scores too, not only the argmax
         np.testing.assert_allclose(mine, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_keeps_its_programs_alive_and_gives_the_room_back(tiny):
+    """An engine raises the live-program limit by its own programs (every chunk rung and
+    the two admission programs) while it runs, so other calls cannot evict them, and
+    lowers it again when it closes."""
+    from jaxgen.runtime.compiled import set_max_programs
+
+    model, params = tiny
+    limit = set_max_programs(16)
+    try:
+        engine = Engine(model, params, jaxgen.GenerationConfig(max_new_tokens=2), slots=2,
+                        max_len=300)
+        assert set_max_programs(16 + 6) == 16 + len(engine._ladder) + 2 == 16 + 6
+        engine.close(timeout=WAIT)
+        assert set_max_programs(16) == 16
+    finally:
+        set_max_programs(limit)
 
 
 def test_cancel_frees_the_slot_for_the_next_request(tiny):

@@ -71,8 +71,11 @@ def kth_largest(values: jax.Array, k) -> jax.Array:
     if isinstance(k, int) and k == 1:
         return jnp.max(values, axis=-1, keepdims=True)  # [B, 1]
     k = jnp.broadcast_to(jnp.asarray(k, jnp.int32).reshape(-1, 1), (values.shape[0], 1))
-    return search_threshold(values.shape[0],
-                            lambda t: jnp.sum(values >= t, axis=-1) >= k[:, 0])  # [B, 1]
+    search = lambda: search_threshold(  # noqa: E731
+        values.shape[0], lambda t: jnp.sum(values >= t, axis=-1) >= k[:, 0])  # [B, 1]
+    # every row k = 1 (a server's temperature-0 requests): the max, without 32 passes
+    return jax.lax.cond(jnp.all(k <= 1), lambda: jnp.max(values, axis=-1, keepdims=True),
+                        search)  # [B, 1]
 
 
 def kth_largest_sorted(values: jax.Array, k) -> jax.Array:
@@ -97,8 +100,10 @@ def _top_k_count(top_k, batch: int, vocab: int, min_tokens_to_keep: int) -> jax.
 def top_k_filter(scores: jax.Array, top_k, min_tokens_to_keep: int = 1) -> jax.Array:
     """HF TopKLogitsWarper (search path): keep values >= the k-th largest; 0 disables."""
     batch, vocab = scores.shape
-    kth = kth_largest(scores, _top_k_count(top_k, batch, vocab, min_tokens_to_keep))  # [B, 1]
-    return jnp.where(scores >= kth, scores, NEG_INF)  # [B, V]
+    k = _top_k_count(top_k, batch, vocab, min_tokens_to_keep)  # [B, 1]
+    keep_top = lambda: jnp.where(scores >= kth_largest(scores, k), scores, NEG_INF)  # noqa: E731
+    # no row filters (top_k 0 or >= the vocabulary everywhere): the scores as they are
+    return jax.lax.cond(jnp.all(k >= vocab), lambda: scores, keep_top)  # [B, V]
 
 
 def top_k_filter_sorted(scores: jax.Array, top_k, min_tokens_to_keep: int = 1) -> jax.Array:
@@ -117,6 +122,14 @@ def top_p_filter(scores: jax.Array, top_p, min_tokens_to_keep: int = 1) -> jax.A
     """
     batch = scores.shape[0]
     p = per_row(top_p, batch)  # [B, 1]
+    # no row filters (top_p = 1 everywhere): the scores as they are, without the search
+    return jax.lax.cond(jnp.all(p >= 1.0), lambda: scores,
+                        lambda: _top_p_search(scores, p, min_tokens_to_keep))  # [B, V]
+
+
+def _top_p_search(scores: jax.Array, p: jax.Array, min_tokens_to_keep: int) -> jax.Array:
+    """top_p_filter's bisection: p [B, 1]. [B, V]."""
+    batch = scores.shape[0]
     probs = jax.nn.softmax(scores, axis=-1)  # [B, V]
     # The cut-off is the smallest t with mass(x > t) < p; keeping x >= t keeps exactly the
     # tokens whose mass above is < p. The predicate holds for large t, so bisect over -t.

@@ -183,6 +183,24 @@ def set_max_programs(count: int) -> int:
     return previous
 
 
+def reserve_programs(count: int) -> None:
+    """Raises the live-program limit by `count` (a long-lived user of that many programs,
+    e.g. a serving engine, keeps them alive beside everyone else's); `release_programs`
+    gives them back."""
+    check_int("count", count, low=0)
+    with _PROGRAMS_LOCK:
+        _LIMIT[0] += int(count)
+
+
+def release_programs(count: int) -> None:
+    """Lowers the limit by `count` again (at least 1 stays); the least recently used
+    programs past it are freed."""
+    check_int("count", count, low=0)
+    with _PROGRAMS_LOCK:
+        _LIMIT[0] = max(1, _LIMIT[0] - int(count))
+        _evict_over_limit()
+
+
 def live_programs() -> int:
     """How many compiled programs (static configurations) are alive in this process."""
     with _PROGRAMS_LOCK:

@@ -8,15 +8,16 @@ thread repeats a host step and a chunk:
     waiting requests into the free slots (each prompt prefilled straight into its slot in
     chunks of `prefill_width` positions, the last chunk choosing its first token:
     jaxgen.serving.admission.PrefillChunkLoop);
-  * chunk: `chunk_size` steps of the plain decode loop over every slot
-    (jaxgen.runtime.compiled.advance with jaxgen.loops.decode.DecodeLoop, the chunked driver's
-    entry), fewer once every slot is done.
+  * chunk: `chunk_size` steps of the plain decode loop over every slot, on the cache cropped
+    to the positions the live rows reach (jaxgen.runtime.compiled.advance with
+    jaxgen.serving.visible_loop.VisibleDecodeLoop, the chunked driver's entry), fewer once
+    every slot is done.
 
 Budgets, keys, per-row sampling values and the slots' contents are dynamic, so requests
-coming and going compile nothing new: the chunk is one program and admission two (a chunk
-of a prompt, its last chunk), whatever the prompts' lengths (`warm_up` compiles all three
-ahead; a speculative engine admits through one program per power-of-two newcomers and
-prompt bucket instead). A greedy request's tokens equal a solo `jaxgen.generate_ids`
+coming and going compile nothing new: a chunk program per rung of cropped lengths and two
+admission programs (a chunk of a prompt, its last chunk), whatever the prompts' lengths
+(`warm_up` compiles them all ahead; a speculative engine runs its rounds on the whole cache
+and admits through one program per power-of-two newcomers and prompt bucket instead). A greedy request's tokens equal a solo `jaxgen.generate_ids`
 call's; a sampled one's too, with the same key.
 
 Example:
@@ -146,6 +147,9 @@ class Engine:
         # the decode chunk's cropped cache lengths (a speculative engine's rounds run whole)
         self._ladder = (visible_lengths(max_len) if self._spec is None
                         and crops_time(self._state.cache) else (max_len,))
+        # its chunk programs and two admission programs stay alive beside everyone else's
+        self._reserved = len(self._ladder) + 2
+        compiled.reserve_programs(self._reserved)
         self._running: list = [None] * slots  # the _Request in each slot
         self._sent = np.zeros((slots,), np.int64)  # tokens of each slot handed out
         self._waiting: collections.deque = collections.deque()
@@ -368,6 +372,8 @@ class Engine:
             self._end_all("closed")
         except BaseException as error:  # every request learns it; none hangs
             self._end_all("failed", error)
+        finally:
+            compiled.release_programs(self._reserved)
 
     def _host_step(self) -> None:
         """Hands out new tokens, retires done / cancelled rows, admits waiting requests."""

@@ -4,14 +4,14 @@ Every slot's buffer is `max_len` positions, and attention reads all of a static 
 chunk would cost what the longest possible request costs. `VisibleDecodeLoop(visible=T')`
 runs the plain loop's steps on the cache cropped to its first T' positions and writes them
 back (jaxgen.cache.time_prefix); the engine picks the smallest T' of a short ladder
-(`visible_lengths`: powers of two, then max_len) that holds every live row's length plus
+(`visible_lengths`: two rungs an octave, then max_len) that holds every live row's length plus
 the chunk's steps, so a few programs serve every moment of a run.
 
 Example:
-    >>> visible_lengths(704), visible_lengths(2048), visible_lengths(100)
-    ((128, 256, 512, 704), (128, 256, 512, 1024, 2048), (100,))
+    >>> visible_lengths(704), visible_lengths(100)
+    ((128, 192, 256, 384, 512, 704), (100,))
     >>> pick_visible(visible_lengths(704), 300)
-    512
+    384
 """
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ SMALLEST_VISIBLE = 128  # the ladder's first rung (positions)
 
 
 def visible_lengths(max_len: int, smallest: int = SMALLEST_VISIBLE) -> tuple[int, ...]:
-    """The ladder of cropped lengths: powers of two from `smallest` below max_len, then
-    max_len."""
+    """The ladder of cropped lengths below max_len, then max_len: `smallest` times 1, 1.5, 2,
+    3, 4, 6, ... (two rungs an octave: a chunk attends over at most a third more positions
+    than its rows reach)."""
     rungs, size = [], smallest
     while size < max_len:
         rungs.append(size)
-        size *= 2
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return (*rungs, max_len)
 
 
