@@ -111,7 +111,7 @@ def test_chunks_attend_over_the_cache_their_rows_reach_with_the_same_tokens(tiny
 
 def test_an_engine_keeps_its_programs_alive_and_gives_the_room_back(tiny):
     """An engine raises the live-program limit by its own programs (every chunk rung and
-    the two admission programs) while it runs, so other calls cannot evict them, and
+    every admission width) while it runs, so other calls cannot evict them, and
     lowers it again when it closes."""
     from jaxgen.runtime.compiled import set_max_programs
 

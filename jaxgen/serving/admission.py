@@ -131,9 +131,10 @@ def newcomer_state(state: DecodeState, inputs: Admission) -> DecodeState:
 
 
 def scatter_newcomers(state: DecodeState, newcomers: DecodeState, slot: jax.Array,
-                      axes: tuple) -> DecodeState:
+                      axes: tuple, with_cache: bool = True) -> DecodeState:
     """The slots' state with the newcomers' rows written at slot [N] (out of range: dropped);
-    axes: the cache leaves' batch axes (slot_cache_axes)."""
+    axes: the cache leaves' batch axes (slot_cache_axes); with_cache=False leaves the
+    slots' cache as it is (rows already written)."""
     constraint = None if state.constraint is None else state.constraint.replace(
         state=_put_rows(state.constraint.state, newcomers.constraint.state, slot))
     key_data = _put_rows(jax.random.key_data(state.key), jax.random.key_data(newcomers.key),
@@ -145,7 +146,8 @@ def scatter_newcomers(state: DecodeState, newcomers: DecodeState, slot: jax.Arra
         max_new=_put_rows(state.max_new, newcomers.max_new, slot),
         done=_put_rows(state.done, newcomers.done, slot),
         stop_reason=_put_rows(state.stop_reason, newcomers.stop_reason, slot),
-        cache=scatter_cache_rows(state.cache, newcomers.cache, slot, axes),
+        cache=scatter_cache_rows(state.cache, newcomers.cache, slot, axes) if with_cache
+        else state.cache,
         key=jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(state.key)),
         constraint=constraint)
 
@@ -195,67 +197,81 @@ def chunk_starts(prompt_len: int, width: int, buffer_len: int) -> list[int]:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PromptChunk:
-    """One chunk of one newcomer's prompt (a PrefillChunkLoop's dynamic inputs)."""
+class PromptChunks:
+    """One chunk of each of N newcomers' prompts (a PrefillChunkLoop's dynamic inputs)."""
 
-    block: jax.Array  # int32 [1, W] the prompt at positions start .. start + W - 1, pad past it
-    start: jax.Array  # int32 [1] the block's first position
-    row: jax.Array  # int32 [1, T] the whole prompt, pad after it (the last chunk writes it)
-    prompt_len: jax.Array  # int32 [1]
-    max_new: jax.Array  # int32 [1]
-    key: jax.Array  # typed PRNG key [1]: the request's row key
-    slot: jax.Array  # int32 [1] the newcomer's slot
+    block: jax.Array  # int32 [N, W] each prompt at positions start .. start + W - 1, pad past it
+    start: jax.Array  # int32 [N] each block's first position
+    row: jax.Array  # int32 [N, T] each whole prompt, pad after it (its last chunk writes it)
+    prompt_len: jax.Array  # int32 [N]
+    max_new: jax.Array  # int32 [N]
+    key: jax.Array  # typed PRNG keys [N]: each request's row key
+    slot: jax.Array  # int32 [N] each newcomer's slot (S: a padded row, dropped)
+    last: jax.Array  # bool [N] the prompt's last chunk: the row starts decoding
 
 
-def host_chunk(prompt: list, start: int, width: int, budget: int, key, slot: int,
-               buffer_len: int, pad: int) -> PromptChunk:
-    """The PromptChunk of `prompt`'s positions start .. start + width - 1 (host values)."""
-    row = np.full((1, buffer_len), pad, np.int32)  # [1, T]
-    row[0, :len(prompt)] = prompt
-    block = row[:, start:start + width]  # [1, W]
-    return PromptChunk(block=jax.device_put(block), start=jax.device_put(np.int32([start])),
-                       row=jax.device_put(row), prompt_len=jax.device_put(
-                           np.int32([len(prompt)])), max_new=jax.device_put(np.int32([budget])),
-                       key=key[None], slot=jax.device_put(np.int32([slot])))
+def host_chunks(pieces: list, rows: int, width: int, buffer_len: int, pad: int,
+                no_slot: int) -> PromptChunks:
+    """PromptChunks from host values, padded to `rows`. pieces: (prompt, start, budget, key,
+    slot, last) per newcomer."""
+    tokens = np.full((rows, buffer_len), pad, np.int32)  # [N, T]
+    block = np.full((rows, width), pad, np.int32)  # [N, W]
+    start, lengths, budgets = (np.zeros((rows,), np.int32) for _ in range(3))  # [N] each
+    lengths[:] = 1
+    slots = np.full((rows,), no_slot, np.int32)  # [N]
+    last = np.zeros((rows,), bool)  # [N]
+    for i, (prompt, first, budget, _, slot, final) in enumerate(pieces):
+        tokens[i, :len(prompt)] = prompt
+        block[i] = tokens[i, first:first + width]
+        start[i], lengths[i], budgets[i], slots[i], last[i] = (first, len(prompt), budget,
+                                                               slot, final)
+    keys = [piece[3] for piece in pieces]
+    keys += [keys[0]] * (rows - len(keys))
+    return PromptChunks(block=jax.device_put(block), start=jax.device_put(start),
+                        row=jax.device_put(tokens), prompt_len=jax.device_put(lengths),
+                        max_new=jax.device_put(budgets), key=jnp.stack(keys),
+                        slot=jax.device_put(slots), last=jax.device_put(last))
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunkLoop:
-    """A loop whose `start` prefills one chunk of a newcomer's prompt straight into its slot
-    (jaxgen.runtime.compiled.start, the slots' state donated): the slot's cache row is read,
-    extended by the chunk's positions and written back. The last chunk (`last`) also chooses
-    the first new token as the plain loop's start does (jaxgen.loops.decode.choose_and_write)
-    and writes the newcomer's tokens, length, budget, key and flags into the slot; it returns
-    that token's StepRecord [1, 1]. Two programs (last or not) serve every prompt length.
+    """A loop whose `start` prefills one chunk of each of N newcomers' prompts straight into
+    their slots (jaxgen.runtime.compiled.start, the slots' state donated): their cache rows
+    are read, extended by the chunk's positions and written back. A row whose chunk is its
+    prompt's last (`last`) also gets its first new token, chosen as the plain loop's start
+    does (jaxgen.loops.decode.choose_and_write), and its tokens, length, budget, key and
+    flags written into its slot; the program returns the rows' first-token StepRecord
+    [N, 1]. One program per (power-of-two) N serves every prompt length.
     Static and hashable: `axes` are the cache's batch axes."""
 
     axes: tuple
-    last: bool
-    takes_layer_tuples = False  # the slot's row is read and written stacked
+    takes_layer_tuples = False  # the slots' rows are read and written stacked
 
     def decode_rows(self, state: DecodeState, cfg: GenerationConfig) -> int | None:
         """The slots' decode rows, so admission and decoding share one weight layout."""
         return state.batch
 
-    def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs: PromptChunk):
-        row_cache = take_cache_rows(state.cache, inputs.slot, self.axes)  # the slot's row
-        row_cache, logits = prefill_tokens(state.model, params, inputs.block, inputs.prompt_len,
-                                           row_cache, cfg.prefill_chunk_size,
-                                           start=inputs.start)  # logits [1, V]
-        if not self.last:
-            return state.replace(cache=scatter_cache_rows(state.cache, row_cache, inputs.slot,
-                                                          self.axes)), None
-        newcomer = state.replace(
+    def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs: PromptChunks):
+        rows = inputs.slot.shape[0]
+        rows_cache = take_cache_rows(state.cache, inputs.slot, self.axes)  # the slots' rows
+        rows_cache, logits = prefill_tokens(state.model, params, inputs.block, inputs.prompt_len,
+                                            rows_cache, cfg.prefill_chunk_size,
+                                            start=inputs.start)  # logits [N, V]
+        state = state.replace(cache=scatter_cache_rows(state.cache, rows_cache, inputs.slot,
+                                                       self.axes))
+        newcomers = state.replace(
             tokens=inputs.row, length=inputs.prompt_len, prompt_len=inputs.prompt_len,
-            max_new=inputs.max_new, done=jnp.zeros((1,), bool),
-            stop_reason=jnp.zeros((1,), jnp.int32), cache=row_cache, key=inputs.key,
+            max_new=inputs.max_new, done=jnp.zeros((rows,), bool),
+            stop_reason=jnp.zeros((rows,), jnp.int32), cache=rows_cache, key=inputs.key,
             constraint=None if state.constraint is None else state.constraint.replace(
-                state=jnp.full((1,), state.constraint.automaton.initial, jnp.int32)))
-        record = StepRecord.empty(1, 1, state.model.vocab_size, cfg)
-        newcomer, record = choose_and_write(cfg, newcomer, logits, record, 0)
-        return scatter_newcomers(state, newcomer, inputs.slot, self.axes), record
+                state=jnp.full((rows,), state.constraint.automaton.initial, jnp.int32)))
+        record = StepRecord.empty(rows, 1, state.model.vocab_size, cfg)
+        newcomers, record = choose_and_write(cfg, newcomers, logits, record, 0)
+        starting = jnp.where(inputs.last, inputs.slot, state.batch)  # [N]: others dropped
+        return scatter_newcomers(state, newcomers, starting, self.axes,
+                                 with_cache=False), record
 
 
 __all__ = ["Admission", "AdmitLoop", "DEFAULT_PREFILL_WIDTH", "PrefillChunkLoop",
-           "PromptChunk", "admission_rows", "chunk_starts", "empty_slots", "host_admission",
-           "host_chunk", "newcomer_state", "scatter_newcomers", "slot_cache_axes"]
+           "PromptChunks", "admission_rows", "chunk_starts", "empty_slots", "host_admission",
+           "host_chunks", "newcomer_state", "scatter_newcomers", "slot_cache_axes"]

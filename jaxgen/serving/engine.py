@@ -59,7 +59,7 @@ from jaxgen.serving.admission import (
     chunk_starts,
     empty_slots,
     host_admission,
-    host_chunk,
+    host_chunks,
     slot_cache_axes,
 )
 from jaxgen.serving.requests import EngineClosed, QueueFull, RequestHandle
@@ -138,8 +138,7 @@ class Engine:
         self._first: dict = {}  # slot -> (first-token StepRecord [N, 1], its row): admitted
         self._admit_loop = AdmitLoop(axes=slot_cache_axes(model, cfg, max_len))
         self.prefill_width = min(prefill_width, max_len)
-        self._chunk_loops = {last: PrefillChunkLoop(axes=self._admit_loop.axes, last=last)
-                             for last in (False, True)}
+        self._chunk_loop = PrefillChunkLoop(axes=self._admit_loop.axes)
         self._record = StepRecord.empty(slots, chunk_size, model.vocab_size, cfg)
         self._values = {name: np.full((slots,), getattr(cfg, name)) for name in SAMPLING_FIELDS}
         self._chunk_cfg = self._program_cfg(self._values)
@@ -148,7 +147,8 @@ class Engine:
         self._ladder = (visible_lengths(max_len) if self._spec is None
                         and crops_time(self._state.cache) else (max_len,))
         # its chunk programs and two admission programs stay alive beside everyone else's
-        self._reserved = len(self._ladder) + 2
+        self._reserved = len(self._ladder) + len({admission_rows(n, slots)
+                                                  for n in range(1, slots + 1)})
         compiled.reserve_programs(self._reserved)
         self._running: list = [None] * slots  # the _Request in each slot
         self._sent = np.zeros((slots,), np.int64)  # tokens of each slot handed out
@@ -194,8 +194,9 @@ class Engine:
         key = row_keys(jax.random.key(0), 1)[0]
         with self._device:
             if self._spec is None:  # a prompt of two chunks into no slot: both programs
-                self._prefill([self._pad] * min(self.prefill_width + 1, self.max_len - 1), 1,
-                              key, self._neutral(), self.slots)
+                for count in sorted({admission_rows(n, self.slots)
+                                     for n in range(1, self.slots + 1)}):
+                    self._prefill([([self._pad], 1, key, self._neutral(), self.slots)] * count)
             else:
                 self._warm_speculative(prompt_lengths, key)
             if all(r is None for r in self._running):  # every slot done: steps nothing
@@ -309,18 +310,29 @@ class Engine:
         self._record = spec.record
         return spec
 
-    def _prefill(self, prompt: list, budget: int, key, values: dict, slot: int):
-        """Prefills `prompt` into `slot` chunk by chunk and chooses its first token (slot =
-        `slots`: into no slot, compiling only); that token's StepRecord [1, 1]."""
-        cfg = self._program_cfg({name: np.asarray([values[name]]) for name in SAMPLING_FIELDS})
-        starts = chunk_starts(len(prompt), self.prefill_width, self.max_len)
-        for index, start in enumerate(starts):
-            chunk = host_chunk(prompt, start, self.prefill_width, budget, key, slot,
-                               self.max_len, self._pad)
-            self._state, first = compiled.start(
-                self.params, self._state, cfg, chunk,
-                loop=self._chunk_loops[index == len(starts) - 1], layout=self.layout)
-        return first
+    def _prefill(self, newcomers: list) -> dict:
+        """Prefills the newcomers' prompts into their slots together, chunk after chunk
+        (newcomers: (prompt, budget, key, values, slot); slot `slots`: into no slot, which
+        compiles only); {slot: (its first token's StepRecord [N, 1], its row)}."""
+        plans = [(n, chunk_starts(len(n[0]), self.prefill_width, self.max_len))
+                 for n in newcomers]
+        firsts = {}
+        for index in range(max(len(starts) for _, starts in plans)):
+            live = [(n, starts) for n, starts in plans if index < len(starts)]
+            rows = admission_rows(len(live), self.slots)
+            values = [n[3] for n, _ in live] + [self._neutral()] * (rows - len(live))
+            cfg = self._program_cfg({name: np.asarray([v[name] for v in values])
+                                     for name in SAMPLING_FIELDS})
+            pieces = [(prompt, starts[index], budget, key, slot, index == len(starts) - 1)
+                      for (prompt, budget, key, _, slot), starts in live]
+            chunk = host_chunks(pieces, rows, self.prefill_width, self.max_len, self._pad,
+                                no_slot=self.slots)
+            self._state, record = compiled.start(self.params, self._state, cfg, chunk,
+                                                 loop=self._chunk_loop, layout=self.layout)
+            for row, piece in enumerate(pieces):
+                if piece[5]:
+                    firsts[piece[4]] = (record, row)
+        return firsts
 
     def _admit(self, prompts, budgets, keys, slots, values, bucket):
         """A speculative engine's admission: the newcomers prefilled apart, then scattered
@@ -435,10 +447,10 @@ class Engine:
             self._state = self._admit(prompts, [r.budget for r in requests],
                                       [r.key for r in requests], [slot for slot, _ in taken],
                                       [r.values for r in requests], bucket)
+        else:  # the plain engine: every newcomer's prompt in chunks, together
+            self._first.update(self._prefill([
+                (r.handle.prompt_ids, r.budget, r.key, r.values, slot) for slot, r in taken]))
         for slot, request in taken:
-            if self._spec is None:  # the plain engine: chunked, one newcomer after another
-                self._first[slot] = (self._prefill(request.handle.prompt_ids, request.budget,
-                                                   request.key, request.values, slot), 0)
             self._running[slot] = request
             self._sent[slot] = len(request.handle.prompt_ids)
             for name in SAMPLING_FIELDS:
