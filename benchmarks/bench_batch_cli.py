@@ -66,7 +66,8 @@ def run_continuous(model, params, cfg, rows, batch_size: int, layout: str,
 
     longest, budget = max(len(p) for p, _ in rows), max(n for _, n in rows)
     engine = Engine(model, params, cfg, slots=batch_size, max_len=_slot_length(longest, budget),
-                    chunk_size=CHUNK_STEPS, max_waiting=WINDOW_PER_SLOT * batch_size,
+                    chunk_size=CHUNK_STEPS,
+                    max_waiting=max(WINDOW_PER_SLOT * batch_size, len(rows)),
                     layout=layout)
     try:
         if warm:
