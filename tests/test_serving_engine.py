@@ -52,7 +52,7 @@ def test_twelve_requests_through_four_slots_equal_solo_calls_without_recompiling
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_prompts_of_any_length_prefill_in_chunks_through_two_programs(tiny, do_sample):
+def test_prompts_of_any_length_prefill_in_chunks_without_new_programs(tiny, do_sample):
     """Prompts of 1 to 62 tokens, prefilled 10 positions a chunk into a 64-token slot (the
     last chunk of the 62-token prompt moved back to end inside the buffer): every result
     equals its solo call, and after warm_up no prompt length compiles anything."""

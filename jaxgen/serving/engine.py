@@ -5,20 +5,21 @@ thread repeats a host step and a chunk:
 
   * host step: read the rows, hand every running request its new tokens, retire the rows
     that are done (their slot is free), end the rows whose request was cancelled, then admit
-    waiting requests into the free slots (each prompt prefilled straight into its slot in
-    chunks of `prefill_width` positions, the last chunk choosing its first token:
-    jaxgen.serving.admission.PrefillChunkLoop);
+    waiting requests into the free slots (their prompts prefilled straight into their slots
+    together, `prefill_width` positions of each a call, a prompt's last chunk choosing its
+    first token: jaxgen.serving.admission.PrefillChunkLoop);
   * chunk: `chunk_size` steps of the plain decode loop over every slot, on the cache cropped
     to the positions the live rows reach (jaxgen.runtime.compiled.advance with
     jaxgen.serving.visible_loop.VisibleDecodeLoop, the chunked driver's entry), fewer once
     every slot is done.
 
 Budgets, keys, per-row sampling values and the slots' contents are dynamic, so requests
-coming and going compile nothing new: a chunk program per rung of cropped lengths and two
-admission programs (a chunk of a prompt, its last chunk), whatever the prompts' lengths
+coming and going compile nothing new: a chunk program per rung of cropped lengths and an
+admission program per power-of-two count of newcomers, whatever the prompts' lengths
 (`warm_up` compiles them all ahead; a speculative engine runs its rounds on the whole cache
-and admits through one program per power-of-two newcomers and prompt bucket instead). A greedy request's tokens equal a solo `jaxgen.generate_ids`
-call's; a sampled one's too, with the same key.
+and admits through one program per power-of-two newcomers and prompt bucket instead). A
+greedy request's tokens equal a solo `jaxgen.generate_ids` call's; a sampled one's too,
+with the same key.
 
 Example:
     >>> import jaxgen
@@ -146,7 +147,7 @@ class Engine:
         # the decode chunk's cropped cache lengths (a speculative engine's rounds run whole)
         self._ladder = (visible_lengths(max_len) if self._spec is None
                         and crops_time(self._state.cache) else (max_len,))
-        # its chunk programs and two admission programs stay alive beside everyone else's
+        # its chunk programs and admission programs stay alive beside everyone else's
         self._reserved = len(self._ladder) + len({admission_rows(n, slots)
                                                   for n in range(1, slots + 1)})
         compiled.reserve_programs(self._reserved)
