@@ -1,14 +1,14 @@
-"""The slots' state and the admission program: newcomers prefilled apart, then scattered in.
+"""The slots' state and how newcomers enter it: their prompts prefilled in chunks, in place.
 
 The engine holds one fixed-shape `DecodeState` of `slots` rows and a buffer of `max_len`
-tokens (`empty_slots`): every slot starts done. Admitting requests is one compiled program
-(`AdmitLoop.start`, run through jaxgen.runtime.compiled.start like any loop's start): the
-newcomers' right-padded prompts [N, P] are prefilled in a fresh cache of their own and their
-first token chosen (jaxgen.loops.decode.decode_start, the plain loop's own start, so every
-rule is the solo call's), then their cache rows, tokens, lengths, budgets, keys, done flags
-and stop reasons are written into the free slots (jaxgen.cache.row_scatter). N is padded to
-a power of two (`admission_rows`) and P to a prompt bucket, so few programs serve every
-admission; padded newcomers go to slot `slots` and are dropped.
+tokens (`empty_slots`): every slot starts done. `PrefillChunkLoop` (run through
+jaxgen.runtime.compiled.start like any loop's start) prefills one chunk of each newcomer's
+prompt straight into its slot; a prompt's last chunk also chooses its first token with the
+plain loop's `choose_and_write` (so every rule is the solo call's) and writes its tokens,
+length, budget, key and flags into the slot (`scatter_newcomers`). The newcomer count N is
+padded to a power of two (`admission_rows`); padded newcomers go to slot `slots` and are
+dropped. A speculative engine admits through `newcomer_state` / `scatter_newcomers` with
+its own start (jaxgen.serving.spec_admission).
 
 Example:
     >>> import jax, jaxgen
@@ -44,7 +44,7 @@ from jaxgen.core.state import (
 from jaxgen.loops.beam import cache_batch_axes
 from jaxgen.core.output import StepRecord
 from jaxgen.core.step import prefill_tokens
-from jaxgen.loops.decode import choose_and_write, decode_start
+from jaxgen.loops.decode import choose_and_write
 
 
 def admission_rows(count: int, slots: int) -> int:
@@ -152,26 +152,6 @@ def scatter_newcomers(state: DecodeState, newcomers: DecodeState, slot: jax.Arra
         constraint=constraint)
 
 
-@dataclasses.dataclass(frozen=True)
-class AdmitLoop:
-    """A loop whose `start` admits newcomers into the slots (jaxgen.runtime.compiled.start:
-    the slots' state is donated). Static and hashable: `axes` are the cache's batch axes."""
-
-    axes: tuple
-    takes_layer_tuples = False  # the newcomers' cache and the slots' are scattered stacked
-
-    def decode_rows(self, state: DecodeState, cfg: GenerationConfig) -> int | None:
-        """The slots' decode rows, so admission and decoding share one weight layout."""
-        return state.batch
-
-    def start(self, params, state: DecodeState, cfg: GenerationConfig, inputs: Admission):
-        """(the slots' state with the newcomers in their slots, the newcomers' first-token
-        StepRecord [N, 1]). cfg: the newcomers' program config (per-row values [N])."""
-        newcomers, record = decode_start(params, newcomer_state(state, inputs), cfg)
-        first = jax.tree_util.tree_map(lambda a: a[:, :1], record)  # [N, 1, ...] step 0
-        return scatter_newcomers(state, newcomers, inputs.slot, self.axes), first
-
-
 # ----------------------------------------------------------------------------- chunked prefill
 DEFAULT_PREFILL_WIDTH = 64  # positions one prompt chunk prefills
 
@@ -272,6 +252,6 @@ class PrefillChunkLoop:
                                  with_cache=False), record
 
 
-__all__ = ["Admission", "AdmitLoop", "DEFAULT_PREFILL_WIDTH", "PrefillChunkLoop",
+__all__ = ["Admission", "DEFAULT_PREFILL_WIDTH", "PrefillChunkLoop",
            "PromptChunks", "admission_rows", "chunk_starts", "empty_slots", "host_admission",
            "host_chunks", "newcomer_state", "scatter_newcomers", "slot_cache_axes"]

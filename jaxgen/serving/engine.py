@@ -54,7 +54,6 @@ from jaxgen.core.state import prompt_bucket, resolve_pad_id, row_keys, typed_key
 from jaxgen.runtime import compiled
 from jaxgen.serving.admission import (
     DEFAULT_PREFILL_WIDTH,
-    AdmitLoop,
     PrefillChunkLoop,
     admission_rows,
     chunk_starts,
@@ -137,9 +136,11 @@ class Engine:
         self._pad = resolve_pad_id(cfg, model)
         self._state = empty_slots(model, cfg, slots, max_len, cache_dtype, constraint)
         self._first: dict = {}  # slot -> (first-token StepRecord [N, 1], its row): admitted
-        self._admit_loop = AdmitLoop(axes=slot_cache_axes(model, cfg, max_len))
+        self._axes = slot_cache_axes(model, cfg, max_len)  # the cache leaves' batch axes
         self.prefill_width = min(prefill_width, max_len)
-        self._chunk_loop = PrefillChunkLoop(axes=self._admit_loop.axes)
+        self._chunk_loop = PrefillChunkLoop(axes=self._axes)
+        # the padded newcomer counts an admission program is compiled for
+        self._admission_counts = sorted({admission_rows(n, slots) for n in range(1, slots + 1)})
         self._record = StepRecord.empty(slots, chunk_size, model.vocab_size, cfg)
         self._values = {name: np.full((slots,), getattr(cfg, name)) for name in SAMPLING_FIELDS}
         self._chunk_cfg = self._program_cfg(self._values)
@@ -148,8 +149,7 @@ class Engine:
         self._ladder = (visible_lengths(max_len) if self._spec is None
                         and crops_time(self._state.cache) else (max_len,))
         # its chunk programs and admission programs stay alive beside everyone else's
-        self._reserved = len(self._ladder) + len({admission_rows(n, slots)
-                                                  for n in range(1, slots + 1)})
+        self._reserved = len(self._ladder) + len(self._admission_counts)
         compiled.reserve_programs(self._reserved)
         self._running: list = [None] * slots  # the _Request in each slot
         self._sent = np.zeros((slots,), np.int64)  # tokens of each slot handed out
@@ -194,9 +194,8 @@ class Engine:
         (admitting nobody); a speculative engine's, for prompts of these lengths' buckets."""
         key = row_keys(jax.random.key(0), 1)[0]
         with self._device:
-            if self._spec is None:  # a prompt of two chunks into no slot: both programs
-                for count in sorted({admission_rows(n, self.slots)
-                                     for n in range(1, self.slots + 1)}):
+            if self._spec is None:  # one-token prompts into no slot: each newcomer count
+                for count in self._admission_counts:
                     self._prefill([([self._pad], 1, key, self._neutral(), self.slots)] * count)
             else:
                 self._warm_speculative(prompt_lengths, key)
@@ -207,9 +206,8 @@ class Engine:
 
     def _warm_speculative(self, prompt_lengths, key) -> None:
         buckets = sorted({min(prompt_bucket(int(n)), self.max_len) for n in prompt_lengths})
-        rows = sorted({admission_rows(n, self.slots) for n in range(1, self.slots + 1)})
         for bucket in buckets:
-            for count in rows:
+            for count in self._admission_counts:
                 self._state = self._admit([[self._pad]] * count, [1] * count, [key] * count,
                                           [self.slots] * count, [self._neutral()] * count,
                                           bucket)
@@ -307,7 +305,7 @@ class Engine:
                                for name in SAMPLING_FIELDS}
         spec = SpeculativeSlots(self.model, self.params, self.cfg, self._state, drafter,
                                 inputs, lambda rows: self._program_cfg(values(rows)),
-                                self._admit_loop.axes, self.max_len)
+                                self._axes, self.max_len)
         self._record = spec.record
         return spec
 
