@@ -109,6 +109,41 @@ def test_chunks_attend_over_the_cache_their_rows_reach_with_the_same_tokens(tiny
         np.testing.assert_allclose(mine, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_a_layer_by_layer_forward_keeps_the_slots_cache_per_layer_with_the_same_tokens(tiny):
+    """With the weights laid out layer by layer (layout="split"), the slots' cache stays one
+    buffer per layer between calls (no call stacks it back), admissions of every chunk
+    width and cropped chunks read and write it so, and every request gives its solo call's
+    tokens and log-probs."""
+    from jaxgen.cache.layer_forms import holds_layer_tuples
+
+    model, params = tiny
+    cfg = jaxgen.GenerationConfig(max_new_tokens=40)
+    rng = np.random.default_rng(11)
+    shapes = [(3, 20), (37, 12), (150, 30), (9, 40), (200, 10)]
+    requests = [(rng.integers(1, 32, size=n).tolist(), budget) for n, budget in shapes]
+    solo = []
+    for prompt, budget in requests:
+        out = jaxgen.generate(params, jaxgen.init_state(model, [prompt], cfg,
+                                                        max_new_tokens=budget), cfg)
+        solo.append((np.asarray(out.sequences[0, :int(out.lengths[0])]).tolist(),
+                     np.asarray(out.token_logprobs[0, :budget])))
+    engine = Engine(model, params, cfg, slots=2, max_len=300, chunk_size=4,
+                    prefill_width=32, layout="split")
+    try:
+        assert holds_layer_tuples(engine._state.cache)
+        engine.warm_up()
+        before = jaxgen.trace_count()
+        handles = [engine.submit(p, max_new_tokens=n) for p, n in requests]
+        results = [h.result(timeout=WAIT) for h in handles]
+        assert jaxgen.trace_count() == before
+        assert holds_layer_tuples(engine._state.cache)
+    finally:
+        engine.close(cancel=True, timeout=WAIT)
+    for result, handle, (ids, logprobs) in zip(results, handles, solo):
+        assert result.ids == ids
+        np.testing.assert_allclose(handle.token_logprobs, logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_an_engine_keeps_its_programs_alive_and_gives_the_room_back(tiny):
     """An engine raises the live-program limit by its own programs (every chunk rung and
     every admission width) while it runs, so other calls cannot evict them, and
@@ -120,7 +155,8 @@ def test_an_engine_keeps_its_programs_alive_and_gives_the_room_back(tiny):
     try:
         engine = Engine(model, params, jaxgen.GenerationConfig(max_new_tokens=2), slots=2,
                         max_len=300)
-        assert set_max_programs(16 + 6) == 16 + len(engine._ladder) + 2 == 16 + 6
+        # 4 rungs (128 .. 300), 2 newcomer counts x 4 chunk widths (16 .. 64)
+        assert set_max_programs(16 + 12) == 16 + len(engine._ladder) + 2 * 4 == 16 + 12
         engine.close(timeout=WAIT)
         assert set_max_programs(16) == 16
     finally:

@@ -86,10 +86,12 @@ def layers_apart(params) -> bool:
     return isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple))
 
 
-def finish(state, layout: str):
-    """The state as the caller holds it, at the end of a program's trace."""
+def finish(state, layout: str, held_tuples: bool = False):
+    """The state as the caller holds it, at the end of a program's trace. held_tuples: the
+    caller's cache came in as per-layer buffers (a long-lived state kept so between calls,
+    as the serving engine keeps its slots): it goes back so, with no stacking copy."""
     backend = _cpu(layout)
-    return state if backend is None else backend.finish(state)
+    return state if backend is None or held_tuples else backend.finish(state)
 
 
 def _kernels():

@@ -48,6 +48,7 @@ import weakref
 import jax
 import numpy as np
 
+from jaxgen.cache.layer_forms import holds_layer_tuples
 from jaxgen.config.fields import check_int
 from jaxgen.runtime import backend, executable_cache
 
@@ -58,6 +59,12 @@ def _decode_rows(state, loop, cfg) -> int | None:
     """How many rows each decode forward of the loop runs (None: it varies or is unknown)."""
     rows = getattr(loop, "decode_rows", None)
     return None if rows is None else rows(state, cfg)
+
+
+def _held_tuples(state) -> bool:
+    """True when the caller's state holds its cache as per-layer buffers (kept so)."""
+    cache = getattr(state, "cache", None)
+    return cache is not None and holds_layer_tuples(cache)
 
 
 def _prepared(params, state, loop, cfg, layout):
@@ -132,24 +139,27 @@ _layout_pieces_jit = jax.jit(_layout_pieces, static_argnames=("loop", "layout"))
 
 def _run(params, state, cfg, inputs, *, loop, layout):
     _TRACES["generate"] += 1
+    held = _held_tuples(state)
     output = loop.run(*_prepared(params, state, loop, cfg, layout), cfg, inputs)
     final = getattr(output, "state", None)
     if final is None:
         return output
-    return dataclasses.replace(output, state=backend.finish(final, layout))
+    return dataclasses.replace(output, state=backend.finish(final, layout, held))
 
 
 def _start(params, state, cfg, inputs, *, loop, layout):
     _TRACES["generate"] += 1
+    held = _held_tuples(state)
     state, carry = loop.start(*_prepared(params, state, loop, cfg, layout), cfg, inputs)
-    return backend.finish(state, layout), carry
+    return backend.finish(state, layout, held), carry
 
 
 def _advance(params, state, carry, begin, end, cfg, inputs, *, loop, layout):
     _TRACES["generate"] += 1
+    held = _held_tuples(state)
     params, state = _prepared(params, state, loop, cfg, layout)
     state, carry = loop.advance(params, state, carry, begin, end, cfg, inputs)
-    return backend.finish(state, layout), carry
+    return backend.finish(state, layout, held), carry
 
 
 _STATIC = ("loop", "layout")
@@ -272,6 +282,24 @@ def advance(params, state, carry, begin, end, cfg, inputs, *, loop, layout="auto
     params = _laid_out(params, state, loop, cfg, layout)
     return _call("advance", (params, state, carry, begin, end, cfg, inputs), loop=loop,
                  layout=layout)
+
+
+def runs_layers_apart(params, state, loop, cfg, layout="auto") -> bool:
+    """True when `loop`'s programs run `params` layer by layer (the backend lays them out
+    so for this state's rows, or they come so): a state kept between calls may then hold its
+    cache as per-layer buffers (jaxgen.cache.layer_forms.to_layer_tuples), which every entry
+    hands back in that form, with no stacking copy a call.
+
+    Example:
+        >>> import jaxgen
+        >>> from jaxgen.loops.decode import DecodeLoop
+        >>> from jaxgen.models import tiny_llama
+        >>> model, params = tiny_llama()                 # small: runs stacked
+        >>> cfg = jaxgen.GenerationConfig(max_new_tokens=2)
+        >>> runs_layers_apart(params, jaxgen.init_state(model, [[1, 2]], cfg), DecodeLoop(), cfg)
+        False
+    """
+    return backend.layers_apart(_laid_out(params, state, loop, cfg, layout))
 
 
 def trace_count() -> int:

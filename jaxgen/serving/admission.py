@@ -3,7 +3,8 @@
 The engine holds one fixed-shape `DecodeState` of `slots` rows and a buffer of `max_len`
 tokens (`empty_slots`): every slot starts done. `PrefillChunkLoop` (run through
 jaxgen.runtime.compiled.start like any loop's start) prefills one chunk of each newcomer's
-prompt straight into its slot; a prompt's last chunk also chooses its first token with the
+prompt straight into its slot (the call's width: the narrowest of `prefill_widths` that
+holds the longest rest of a prompt, at most the engine's `prefill_width`); a prompt's last chunk also chooses its first token with the
 plain loop's `choose_and_write` (so every rule is the solo call's) and writes its tokens,
 length, budget, key and flags into the slot (`scatter_newcomers`). The newcomer count N is
 padded to a power of two (`admission_rows`); padded newcomers go to slot `slots` and are
@@ -73,9 +74,11 @@ def empty_slots(model, cfg: GenerationConfig, slots: int, max_len: int,
     return program_state(state)
 
 
-def slot_cache_axes(model, cfg: GenerationConfig, max_len: int) -> tuple:
-    """Each cache leaf's batch axis (None: no rows), as the admission program scatters."""
-    return cache_batch_axes(model, cfg, max_len, MIN_PROMPT_BUCKET)
+def slot_cache_axes(model, cfg: GenerationConfig, max_len: int,
+                    layer_tuples: bool = False) -> tuple:
+    """Each cache leaf's batch axis (None: no rows), as the admission program scatters;
+    layer_tuples: the slots' cache is held as one buffer per layer."""
+    return cache_batch_axes(model, cfg, max_len, MIN_PROMPT_BUCKET, layer_tuples)
 
 
 @jax.tree_util.register_dataclass
@@ -153,26 +156,35 @@ def scatter_newcomers(state: DecodeState, newcomers: DecodeState, slot: jax.Arra
 
 
 # ----------------------------------------------------------------------------- chunked prefill
-DEFAULT_PREFILL_WIDTH = 64  # positions one prompt chunk prefills
+DEFAULT_PREFILL_WIDTH = 64  # positions one prompt chunk prefills (at most)
 
 
-def chunk_starts(prompt_len: int, width: int, buffer_len: int) -> list[int]:
-    """The first position of each chunk that prefills a prompt of `prompt_len` tokens, `width`
-    positions a chunk, in a slot of `buffer_len`: 0, width, 2 * width, ..., the last moved
-    back so it ends inside the buffer (it then recomputes a few cached positions, the same
-    keys and values).
+def prefill_widths(width: int) -> tuple[int, ...]:
+    """The chunk widths an admission call may run: a quarter, a half, three quarters and all
+    of `width`, so a short prompt's chunk is not padded to the longest (a 36-token prompt
+    runs 48 positions of 64; a call costs about its positions).
 
-    >>> chunk_starts(40, 64, 512), chunk_starts(130, 64, 512), chunk_starts(250, 64, 256)
-    ([0], [0, 64, 128], [0, 64, 128, 192])
-    >>> chunk_starts(250, 64, 251)
-    [0, 64, 128, 187]
+    >>> prefill_widths(64), prefill_widths(10), prefill_widths(2)
+    ((16, 32, 48, 64), (2, 5, 7, 10), (1, 2))
     """
-    if not 1 <= prompt_len < buffer_len or width > buffer_len:
-        raise ValueError(f"chunk_starts: a prompt of {prompt_len} tokens and chunks of {width} "
-                         f"positions need a buffer longer than both (got {buffer_len})")
-    starts = list(range(0, prompt_len, width))
-    starts[-1] = min(starts[-1], buffer_len - width)
-    return starts
+    return tuple(sorted({max(width * quarter // 4, 1) for quarter in range(1, 5)}))
+
+
+def next_chunk(done: int, prompt_len: int, width: int, buffer_len: int) -> tuple[int, bool]:
+    """(first position, last) of the `width`-position chunk that goes on prefilling a prompt
+    of `prompt_len` tokens whose first `done` are in the cache, in a slot of `buffer_len`: it
+    starts at `done`, moved back so it ends inside the buffer (it then recomputes a few
+    cached positions, the same keys and values); `last` when it reaches the prompt's end.
+
+    >>> next_chunk(0, 40, 48, 512), next_chunk(64, 130, 64, 512), next_chunk(192, 250, 64, 251)
+    ((0, True), (64, False), (187, True))
+    """
+    if not 0 <= done < prompt_len < buffer_len or width > buffer_len:
+        raise ValueError(f"next_chunk: a prompt of {prompt_len} tokens ({done} prefilled) and "
+                         f"chunks of {width} positions need a buffer longer than both (got "
+                         f"{buffer_len})")
+    start = min(done, buffer_len - width)
+    return start, start + width >= prompt_len
 
 
 @jax.tree_util.register_dataclass
@@ -221,11 +233,12 @@ class PrefillChunkLoop:
     prompt's last (`last`) also gets its first new token, chosen as the plain loop's start
     does (jaxgen.loops.decode.choose_and_write), and its tokens, length, budget, key and
     flags written into its slot; the program returns the rows' first-token StepRecord
-    [N, 1]. One program per (power-of-two) N serves every prompt length.
+    [N, 1]. One program per (power-of-two) N and chunk width (`prefill_widths`) serves
+    every prompt length.
     Static and hashable: `axes` are the cache's batch axes."""
 
     axes: tuple
-    takes_layer_tuples = False  # the slots' rows are read and written stacked
+    takes_layer_tuples = False  # the slots' rows are read and written in the engine's form
 
     def decode_rows(self, state: DecodeState, cfg: GenerationConfig) -> int | None:
         """The slots' decode rows, so admission and decoding share one weight layout."""
@@ -253,5 +266,6 @@ class PrefillChunkLoop:
 
 
 __all__ = ["Admission", "DEFAULT_PREFILL_WIDTH", "PrefillChunkLoop",
-           "PromptChunks", "admission_rows", "chunk_starts", "empty_slots", "host_admission",
-           "host_chunks", "newcomer_state", "scatter_newcomers", "slot_cache_axes"]
+           "PromptChunks", "admission_rows", "empty_slots", "host_admission", "host_chunks",
+           "newcomer_state", "next_chunk", "prefill_widths", "scatter_newcomers",
+           "slot_cache_axes"]

@@ -49,6 +49,7 @@ from jaxgen.config.generation import GenerationConfig
 from jaxgen.config.program import program_config
 from jaxgen.core.context import check_context, model_positions
 from jaxgen.core.output import StepRecord
+from jaxgen.cache.layer_forms import to_layer_tuples
 from jaxgen.cache.time_prefix import crops_time
 from jaxgen.core.state import prompt_bucket, resolve_pad_id, row_keys, typed_keys
 from jaxgen.runtime import compiled
@@ -56,10 +57,11 @@ from jaxgen.serving.admission import (
     DEFAULT_PREFILL_WIDTH,
     PrefillChunkLoop,
     admission_rows,
-    chunk_starts,
     empty_slots,
     host_admission,
     host_chunks,
+    next_chunk,
+    prefill_widths,
     slot_cache_axes,
 )
 from jaxgen.serving.requests import EngineClosed, QueueFull, RequestHandle
@@ -138,6 +140,7 @@ class Engine:
         self._first: dict = {}  # slot -> (first-token StepRecord [N, 1], its row): admitted
         self._axes = slot_cache_axes(model, cfg, max_len)  # the cache leaves' batch axes
         self.prefill_width = min(prefill_width, max_len)
+        self._widths = prefill_widths(self.prefill_width)  # an admission call's widths
         self._chunk_loop = PrefillChunkLoop(axes=self._axes)
         # the padded newcomer counts an admission program is compiled for
         self._admission_counts = sorted({admission_rows(n, slots) for n in range(1, slots + 1)})
@@ -145,11 +148,18 @@ class Engine:
         self._values = {name: np.full((slots,), getattr(cfg, name)) for name in SAMPLING_FIELDS}
         self._chunk_cfg = self._program_cfg(self._values)
         self._spec = self._speculative(assistant_model, constraint)
+        if self._spec is None and compiled.runs_layers_apart(
+                params, self._state, self._chunk_loop, self._chunk_cfg, layout):
+            # the forward runs layer by layer: the slots' cache is kept as one buffer per
+            # layer, so no call splits it and stacks it back (a copy of all of it)
+            self._state = self._state.replace(cache=to_layer_tuples(self._state.cache))
+            self._axes = slot_cache_axes(model, cfg, max_len, layer_tuples=True)
+            self._chunk_loop = PrefillChunkLoop(axes=self._axes)
         # the decode chunk's cropped cache lengths (a speculative engine's rounds run whole)
         self._ladder = (visible_lengths(max_len) if self._spec is None
                         and crops_time(self._state.cache) else (max_len,))
         # its chunk programs and admission programs stay alive beside everyone else's
-        self._reserved = len(self._ladder) + len(self._admission_counts)
+        self._reserved = len(self._ladder) + len(self._admission_counts) * len(self._widths)
         compiled.reserve_programs(self._reserved)
         self._running: list = [None] * slots  # the _Request in each slot
         self._sent = np.zeros((slots,), np.int64)  # tokens of each slot handed out
@@ -194,9 +204,11 @@ class Engine:
         (admitting nobody); a speculative engine's, for prompts of these lengths' buckets."""
         key = row_keys(jax.random.key(0), 1)[0]
         with self._device:
-            if self._spec is None:  # one-token prompts into no slot: each newcomer count
+            if self._spec is None:  # prompts into no slot: each newcomer count and width
+                piece = ([self._pad], 0, 1, key, self.slots, True, self._neutral())
                 for count in self._admission_counts:
-                    self._prefill([([self._pad], 1, key, self._neutral(), self.slots)] * count)
+                    for width in self._widths:
+                        self._prefill_chunk([piece] * count, width)
             else:
                 self._warm_speculative(prompt_lengths, key)
             if all(r is None for r in self._running):  # every slot done: steps nothing
@@ -311,27 +323,38 @@ class Engine:
 
     def _prefill(self, newcomers: list) -> dict:
         """Prefills the newcomers' prompts into their slots together, chunk after chunk
-        (newcomers: (prompt, budget, key, values, slot); slot `slots`: into no slot, which
-        compiles only); {slot: (its first token's StepRecord [N, 1], its row)}."""
-        plans = [(n, chunk_starts(len(n[0]), self.prefill_width, self.max_len))
-                 for n in newcomers]
+        (newcomers: (prompt, budget, key, values, slot)), each call as wide as the longest
+        rest of a prompt needs (one of `prefill_widths`); {slot: (its first token's
+        StepRecord [N, 1], its row)}."""
+        done = [0] * len(newcomers)  # positions of each prompt in its slot's cache
         firsts = {}
-        for index in range(max(len(starts) for _, starts in plans)):
-            live = [(n, starts) for n, starts in plans if index < len(starts)]
-            rows = admission_rows(len(live), self.slots)
-            values = [n[3] for n, _ in live] + [self._neutral()] * (rows - len(live))
-            cfg = self._program_cfg({name: np.asarray([v[name] for v in values])
-                                     for name in SAMPLING_FIELDS})
-            pieces = [(prompt, starts[index], budget, key, slot, index == len(starts) - 1)
-                      for (prompt, budget, key, _, slot), starts in live]
-            chunk = host_chunks(pieces, rows, self.prefill_width, self.max_len, self._pad,
-                                no_slot=self.slots)
-            self._state, record = compiled.start(self.params, self._state, cfg, chunk,
-                                                 loop=self._chunk_loop, layout=self.layout)
-            for row, piece in enumerate(pieces):
-                if piece[5]:
-                    firsts[piece[4]] = (record, row)
+        while live := [i for i, n in enumerate(newcomers) if done[i] < len(n[0])]:
+            rest = min(max(len(newcomers[i][0]) - done[i] for i in live), self.prefill_width)
+            width = next(w for w in self._widths if w >= rest)
+            pieces = []
+            for i in live:
+                prompt, budget, key, values, slot = newcomers[i]
+                start, last = next_chunk(done[i], len(prompt), width, self.max_len)
+                pieces.append((prompt, start, budget, key, slot, last, values))
+                done[i] = len(prompt) if last else start + width
+            record = self._prefill_chunk(pieces, width)
+            firsts.update({piece[4]: (record, row) for row, piece in enumerate(pieces)
+                           if piece[5]})
         return firsts
+
+    def _prefill_chunk(self, pieces: list, width: int) -> StepRecord:
+        """One admission call: a `width`-position chunk of each newcomer's prompt (pieces:
+        (prompt, start, budget, key, slot, last, values); slot `slots`: into no slot, which
+        compiles only); the first tokens' StepRecord [N, 1]."""
+        rows = admission_rows(len(pieces), self.slots)
+        values = [piece[6] for piece in pieces] + [self._neutral()] * (rows - len(pieces))
+        cfg = self._program_cfg({name: np.asarray([v[name] for v in values])
+                                 for name in SAMPLING_FIELDS})
+        chunk = host_chunks([piece[:6] for piece in pieces], rows, width, self.max_len,
+                            self._pad, no_slot=self.slots)
+        self._state, record = compiled.start(self.params, self._state, cfg, chunk,
+                                             loop=self._chunk_loop, layout=self.layout)
+        return record
 
     def _admit(self, prompts, budgets, keys, slots, values, bucket):
         """A speculative engine's admission: the newcomers prefilled apart, then scattered

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
+from jaxgen.cache.layer_forms import holds_layer_tuples, to_layer_tuples, to_stacked_layers
 from jaxgen.cache.time_prefix import write_prefix
 from jaxgen.loops.decode import DecodeLoop
 from jaxgen.runtime.backend import layers_apart
@@ -45,22 +45,24 @@ def pick_visible(ladder: tuple[int, ...], needed: int) -> int:
 class VisibleDecodeLoop(DecodeLoop):
     """DecodeLoop whose `advance` runs on the cache's first `visible` positions (static).
 
-    The slots' cache comes in stacked (it takes no layer tuples from the backend: splitting
-    the whole buffer per layer and stacking it back would copy all of it every chunk); the
-    cropped part is split per layer here when the params run layer by layer, and only it
-    is written back."""
+    The slots' cache comes in the form the engine holds it, and the backend does not convert
+    it (splitting the whole buffer per layer and stacking it back would copy all of it every
+    chunk): one buffer per layer when the params run layer by layer, else stacked (the
+    cropped part is then split here when the params run layer by layer). Only the cropped
+    positions are written back, in the form the cache came in."""
 
     visible: int = 0
     takes_layer_tuples = False
 
     def advance(self, params, state, record, begin, end, cfg, inputs=None):
-        full = state.cache  # stacked, [.., T, ..]
+        full = state.cache  # [.., T, ..], stacked or per layer
         cropped = full.resize(self.visible)  # [.., visible, ..]
         if layers_apart(params):
             cropped = to_layer_tuples(cropped)
         state, record = super().advance(params, state.replace(cache=cropped), record, begin,
                                         end, cfg, inputs)
-        return state.replace(cache=write_prefix(full, to_stacked_layers(state.cache))), record
+        ran = state.cache if holds_layer_tuples(full) else to_stacked_layers(state.cache)
+        return state.replace(cache=write_prefix(full, ran)), record
 
 
 __all__ = ["SMALLEST_VISIBLE", "VisibleDecodeLoop", "pick_visible", "visible_lengths"]
