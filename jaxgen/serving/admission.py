@@ -4,9 +4,10 @@ The engine holds one fixed-shape `DecodeState` of `slots` rows and a buffer of `
 tokens (`empty_slots`): every slot starts done. `PrefillChunkLoop` (run through
 jaxgen.runtime.compiled.start like any loop's start) prefills one chunk of each newcomer's
 prompt straight into its slot (the call's width: the narrowest of `prefill_widths` that
-holds the longest rest of a prompt, at most the engine's `prefill_width`); a prompt's last chunk also chooses its first token with the
-plain loop's `choose_and_write` (so every rule is the solo call's) and writes its tokens,
-length, budget, key and flags into the slot (`scatter_newcomers`). The newcomer count N is
+holds the longest rest of a prompt, at most the engine's `prefill_width`); a prompt's last
+chunk also chooses its first token with the plain loop's `choose_and_write` (so every rule
+is the solo call's) and writes its tokens, length, budget, key and flags into the slot
+(`scatter_newcomers`). The newcomer count N is
 padded to a power of two (`admission_rows`); padded newcomers go to slot `slots` and are
 dropped. A speculative engine admits through `newcomer_state` / `scatter_newcomers` with
 its own start (jaxgen.serving.spec_admission).

@@ -109,7 +109,7 @@ class Engine:
     (with `overrides`, resolved as jaxgen.generate_ids does; see jaxgen.serving.settings for
     what a request may set itself). slots: rows decoded together. max_len: each slot's
     buffer (prompt + new tokens). chunk_size: decode steps between host steps.
-    prefill_width: prompt positions one admission chunk prefills. max_waiting:
+    prefill_width: the most prompt positions one admission chunk prefills. max_waiting:
     the waiting queue's bound (`submit` raises QueueFull past it). layout: the programs'
     layout (jaxgen.runtime.backend.LAYOUTS). constraint: a TokenAutomaton every request
     follows (jaxgen.constraints.compile), or None. Each handle also gets its tokens'
