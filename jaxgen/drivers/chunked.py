@@ -10,10 +10,7 @@ runs the *same* loop as the single-call path (the plan's loop object: its `start
   * checks cancellation (a streamer's `cancel()` or a `stop_event`), ending within one chunk.
 
 The first chunk holds only the prefill and the first token, so the time to first token is
-one prefill. Chunk lengths are dynamic arguments: changing them never recompiles. When the
-forward runs layer by layer (jaxgen.runtime.compiled.runs_layers_apart), the state's cache is
-held as one buffer per layer between chunks, so no chunk splits and restacks all of it; the
-output's cache is stacked again.
+one prefill. Chunk lengths are dynamic arguments: changing them never recompiles.
 
 Streamers are ended on every exit path: `end()` when generation finishes (or stops early),
 `fail(error)` (or `end()` for streamers without it) when it raises, so a consumer waiting on
@@ -35,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import stopping
-from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
 from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.core.output import GenerateOutput
@@ -129,7 +125,7 @@ def finish_run(loop, state: DecodeState, extra, deadline, timings: ChunkTimings,
         state = stop_all(state, stopping.MAX_TIME)
     timings.total_s = time.perf_counter() - start_time
     timings.steps = step
-    return loop.output(state.replace(cache=to_stacked_layers(state.cache)), extra)
+    return loop.output(state, extra)
 
 
 def stop_all(state: DecodeState, reason: int) -> DecodeState:
@@ -173,9 +169,6 @@ def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, 
     if prepare_chunk is not None:
         state = prepare_chunk(state, 0, 1)
     state, extra = compiled.start(params, state, cfg, inputs, loop=loop, layout=layout)
-    if getattr(loop, "takes_layer_tuples", False) and compiled.runs_layers_apart(
-            params, state, loop, cfg, layout):  # kept per layer between chunks: no chunk
-        state = state.replace(cache=to_layer_tuples(state.cache))  # splits and stacks it
     emitter.emit(state)
     timings.first_token_s = time.perf_counter() - start_time
     step, step_time = 1, None
