@@ -28,9 +28,11 @@ import argparse
 import functools
 import os
 import time
+from statistics import median
 
 import jax
 import jax.numpy as jnp
+from bench_generate import measure_bandwidth
 from report_table import table_header, table_row
 
 from jaxgen.backends.cpu.layer_split import for_decoding
@@ -91,7 +93,10 @@ def make_decode(model, steps: int, split: bool = True):
     return decode
 
 
-def run_one(label: str, context: int, steps: int, split: bool = True) -> dict:
+def run_one(label: str, context: int, steps: int, split: bool = True,
+            repeats: int = 3) -> dict:
+    """Cache bytes, decode tokens/s (median of `repeats` calls of `steps` steps), the
+    first call's seconds and the bytes a step reads at least (layer weights, head, cache)."""
     kind, cache_config, window = KINDS[label]
     model = Llama(LlamaConfig(**BASE, sliding_window=window))
     params = model.init_params(jax.random.key(0))
@@ -107,12 +112,16 @@ def run_one(label: str, context: int, steps: int, split: bool = True) -> dict:
     cache, token = decode(params, cache, token, jnp.int32(context))
     token.block_until_ready()
     compile_and_first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    cache, token = decode(params, cache, token, jnp.int32(context + steps))
-    token.block_until_ready()
-    elapsed = time.perf_counter() - t0
-    return dict(kind=label, context=context, bytes=nbytes, tokens_per_s=steps / elapsed,
-                first_call_s=compile_and_first)
+    elapsed = []
+    for repeat in range(repeats):  # each call writes `steps` more positions of the capacity
+        t0 = time.perf_counter()
+        cache, token = decode(params, cache, token, jnp.int32(context + steps * (repeat % 2)))
+        token.block_until_ready()
+        elapsed.append(time.perf_counter() - t0)
+    read = [value for name, value in params.items() if name != "embed" or "lm_head" not in params]
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(read))  # tied: the head
+    return dict(kind=label, context=context, bytes=nbytes, tokens_per_s=steps / median(elapsed),
+                first_call_s=compile_and_first, step_bytes=weight_bytes + nbytes)
 
 
 def prefill_seconds(label: str, context: int, repeats: int = 2) -> float:
@@ -139,6 +148,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__),
                                                        "bench_cache.png"))
@@ -158,7 +168,8 @@ def main(argv=None):
     rows = []
     for context in args.contexts:
         for label in args.kinds:
-            row = run_one(label, context, args.steps, split=not args.stacked_cache)
+            row = run_one(label, context, args.steps, split=not args.stacked_cache,
+                          repeats=args.repeats)
             rows.append(row)
             print(f"  {label:24s} ctx {context:6d}: {row['bytes'] / 2**20:8.1f} MiB  "
                   f"{row['tokens_per_s']:7.1f} tok/s  (first call {row['first_call_s']:.1f}s)",
@@ -167,14 +178,19 @@ def main(argv=None):
     print(f"\nRandom Llama, 8 layers, 8 KV heads x 64, hidden 512, fp32, batch 1, "
           f"{args.steps} decode steps ({jax.devices()[0].platform}, "
           f"{os.cpu_count()} cores); total {time.perf_counter() - start:.0f}s\n")
+    bandwidth = measure_bandwidth()
+    print(f"bandwidth probe {bandwidth:.1f} GB/s; floor = (layer weights + head + the "
+          f"kind's cache bytes) / bandwidth\n")
     print(table_header("kind", "context", "cache MiB", "x static bytes", "decode tok/s",
-                       "x static speed", numeric=True))
+                       "x static speed", "ms/step", "floor ms", "x floor", numeric=True))
     for r in rows:
         ref = static.get(r["context"])
         rel_b = f"{r['bytes'] / ref['bytes']:.3f}" if ref else "-"
         rel_s = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "-"
+        step_ms, floor_ms = 1e3 / r["tokens_per_s"], r["step_bytes"] / bandwidth / 1e6
         print(table_row(r["kind"], r["context"], f"{r['bytes'] / 2**20:.1f}", rel_b,
-                        f"{r['tokens_per_s']:.1f}", rel_s))
+                        f"{r['tokens_per_s']:.1f}", rel_s, f"{step_ms:.2f}", f"{floor_ms:.2f}",
+                        f"{step_ms / floor_ms:.2f}"))
     plot(rows, args.plot)
     print(f"\nplot: {args.plot}")
     return rows

@@ -3,7 +3,7 @@ and llama.cpp (when llama-cpp-python is installed: the shipped Q4_1 GGUF and an 
 written from it), SmolLM2-135M-Instruct, batch 1. One run, medians of repeats, ratios within
 the run.
 
-    python benchmarks/bench_prefill.py [--prompt-tokens 1000] [--repeats 5]
+    python benchmarks/bench_prefill.py [--prompt-tokens 512 2048 8192] [--repeats 5]
 
 A prefill is timed as a generate call with max_new_tokens=1 (the prompt's forward plus one
 token choice) in jaxgen and transformers, and as `Llama.eval(prompt)` in llama.cpp; compiles
@@ -75,7 +75,7 @@ def llama_cpp_prefill_seconds(path, prompt, repeats, threads) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
@@ -88,28 +88,36 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model, params, tokenizer = load(DEFAULT_MODEL)
-    prompt = long_prompt(tokenizer, args.prompt_tokens)
-    rows = [("transformers fp32", transformers_prefill_seconds(
-        hf_from_jaxgen(model, params), prompt, args.repeats))]
-    rows.append(("jaxgen fp32, load() as it is",
-                 jaxgen_prefill_seconds(model, params, prompt, args.repeats)))
+    hf = hf_from_jaxgen(model, params)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         print("llama_cpp is not installed: no llama.cpp rows (pip install llama-cpp-python)")
+        peers = {}
     else:
         q4 = embedded_path(DEFAULT_MODEL)
         f32 = write_f32_gguf(q4, os.path.join(tempfile.mkdtemp(), "smollm2-f32.gguf"))
-        for name, path in (("llama.cpp F32", f32), ("llama.cpp Q4_1", q4)):
-            rows.append((name, llama_cpp_prefill_seconds(path, prompt, args.repeats,
-                                                         args.threads)))
-    reference = rows[0][1]
-    print(f"\nSmolLM2-135M-Instruct prefill, batch 1, {len(prompt)}-token prompt, "
-          f"{args.threads} threads\n")
-    print(table_header("system", "seconds", "prompt tok/s", "x transformers", numeric=True))
-    for name, seconds in rows:
-        print(table_row(name, f"{seconds:.3f}", f"{len(prompt) / seconds:.0f}",
-                        f"{reference / seconds:.2f}"))
+        peers = {"llama.cpp F32": f32, "llama.cpp Q4_1": q4}
+    seconds = {}  # (system, prompt tokens) -> median seconds
+    for length in args.prompt_tokens:
+        prompt = long_prompt(tokenizer, length)
+        seconds["transformers fp32", length] = transformers_prefill_seconds(
+            hf, prompt, args.repeats)
+        seconds["jaxgen fp32, load() as it is", length] = jaxgen_prefill_seconds(
+            model, params, prompt, args.repeats)
+        for name, path in peers.items():
+            seconds[name, length] = llama_cpp_prefill_seconds(path, prompt, args.repeats,
+                                                              args.threads)
+        print(f"{length} tokens: " + ", ".join(f"{name} {s:.3f} s" for (name, n), s
+                                               in seconds.items() if n == length), flush=True)
+    print(f"\nSmolLM2-135M-Instruct prefill, batch 1, {args.threads} threads; seconds "
+          f"(x transformers' speed)\n")
+    systems = list(dict.fromkeys(name for name, _ in seconds))
+    print(table_header("system", *(f"{n} tokens" for n in args.prompt_tokens), numeric=True))
+    for name in systems:
+        print(table_row(name, *(f"{seconds[name, n]:.3f} "
+                                f"({seconds['transformers fp32', n] / seconds[name, n]:.2f}x)"
+                                for n in args.prompt_tokens)))
 
 
 if __name__ == "__main__":

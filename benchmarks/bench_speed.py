@@ -5,7 +5,8 @@ Q8_0 blocks (`load(weights="gguf")`), transformers (torch CPU, fp32,
 same weights) and llama.cpp (llama-cpp-python, when installed: the shipped Q4_1 GGUF and
 an F32 GGUF written from the same weights), batch 1 and 8, plus a per-piece profile of one
 decode step. Everything in one run; medians of repeats; ratios within the run. The jaxgen
-rows that run the default settings are timed in turns (one call of each per repeat).
+rows that run the default settings and the llama.cpp rows are timed in turns (one call of
+each per repeat).
 
     python benchmarks/bench_speed.py [--new-tokens 128] [--repeats 5] [--batches 1 8]
     python benchmarks/bench_speed.py --profile-only      # the per-piece breakdown only
@@ -91,23 +92,31 @@ def jaxgen_ms_per_token(model, params, prompts, new_tokens, repeats,
 
 
 def jaxgen_interleaved_ms_per_token(model, params_by_name: dict, prompts, new_tokens,
-                                    repeats) -> dict:
+                                    repeats, peers: dict | None = None) -> dict:
     """{name: (median seconds per decode step, first-call compile seconds)} for params that all
     run the default settings (layout="auto"), timed in turns (each repeat times every entry once, after one
-    untimed call that lays its params out again), so a host's drift hits them alike."""
+    untimed call that lays its params out again), so a host's drift hits them alike. `peers`
+    ({name: a function that decodes `new_tokens` tokens and returns its seconds}, e.g.
+    `llama_cpp_generation`) take their turns in the same repeats (compile seconds None)."""
     cfg = jaxgen.GenerationConfig(max_new_tokens=new_tokens, pad_token_id=0)  # no EOS
     runs = {name: (lambda p=p: jaxgen.generate(p, jaxgen.init_state(model, prompts, cfg), cfg,
                                                 layout="auto").sequences.block_until_ready())
             for name, p in params_by_name.items()}
+    peers = peers or {}
     jax.clear_caches()
     first = {name: _timed(run) for name, run in runs.items()}
-    times = {name: [] for name in runs}
+    for peer in peers.values():
+        peer()  # warm-up
+    times = {name: [] for name in [*runs, *peers]}
     for _ in range(repeats):
         for name, run in runs.items():
             run()  # the params laid out again (one layout is kept at a time)
             times[name].append(_timed(run))
+        for name, peer in peers.items():
+            times[name].append(peer())
     jax.clear_caches()
-    return {name: (float(np.median(t)) / new_tokens, first[name] - float(np.median(t)))
+    return {name: (float(np.median(t)) / new_tokens,
+                   first[name] - float(np.median(t)) if name in first else None)
             for name, t in times.items()}
 
 
@@ -156,21 +165,23 @@ def write_f32_gguf(source: str, target: str) -> str:
     return target
 
 
-def llama_cpp_ms_per_token(path, prompt, new_tokens, repeats, threads) -> float:
-    """Median seconds per token of llama.cpp greedy decoding (EOS ignored), batch 1."""
+def llama_cpp_generation(path, prompt, new_tokens, threads):
+    """A function that runs llama.cpp greedy decoding of `new_tokens` tokens (EOS ignored) at
+    batch 1 from `prompt` and returns its seconds (the model loaded once, here)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_ctx=len(prompt) + new_tokens + 8, n_threads=threads,
                 n_batch=64, verbose=False)
 
     def run():
+        start = time.perf_counter()
         llm.reset()
         for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0), start=1):
             if count == new_tokens:
                 break
+        return time.perf_counter() - start
 
-    run()
-    return float(np.median([_timed(run) for _ in range(repeats)])) / new_tokens
+    return run
 
 
 def llama_cpp_forward_seconds(path, widths, position: int = 128, threads: int = 2,
@@ -387,16 +398,18 @@ def main() -> None:
         rows.append(("transformers fp32", hf_s, None))
         defaults = {name: p for name, (p, layout, *kernels) in layouts.items()
                     if layout == "auto" and kernels in ([], ["auto"])}
+        peers = {} if gguf_q4 is None or batch != 1 else {
+            name: llama_cpp_generation(path, prompts[0], args.new_tokens, args.threads)
+            for name, path in (("llama.cpp F32", gguf_f32), ("llama.cpp Q4_1", gguf_q4))}
         timed = jaxgen_interleaved_ms_per_token(model, defaults, prompts, args.new_tokens,
-                                                args.repeats)
+                                                args.repeats, peers)
+        del peers  # the llama.cpp models' memory
         for name, (p, layout, *kernels) in layouts.items():
             per_token, compile_s = timed[name] if name in timed else jaxgen_ms_per_token(
                 model, p, prompts, args.new_tokens, args.repeats, layout, *kernels)
             rows.append((name, per_token, compile_s))
-        if gguf_q4 is not None and batch == 1:
-            for name, path in (("llama.cpp F32", gguf_f32), ("llama.cpp Q4_1", gguf_q4)):
-                rows.append((name, llama_cpp_ms_per_token(path, prompts[0], args.new_tokens,
-                                                          args.repeats, args.threads), None))
+        rows.extend((name, *timed[name]) for name in ("llama.cpp F32", "llama.cpp Q4_1")
+                    if name in timed)
         floor = fp32_bytes / (bandwidth * 1e9)
         compute_floor = 2 * matmul_params(model) * batch / flops
         for name, per_token, compile_s in rows:

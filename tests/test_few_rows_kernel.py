@@ -119,9 +119,9 @@ def test_multi_row_programs_call_the_kernel_and_one_row_programs_only_with_8_row
                                         layout="auto").as_text()
 
     assert "jaxgen_few_rows" in program(2)
-    for group in (4, 8):  # the 4-row build leaves one row to XLA's matrix-vector products
+    for group in (4, 8):  # one row takes the kernel on the 4-row (AVX2) build too
         monkeypatch.setattr(few_rows, "group_rows", lambda group=group: group)
-        assert ("jaxgen_few_rows" in program(1)) == (group == 8)
+        assert "jaxgen_few_rows" in program(1)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
     assert "jaxgen_few_rows" not in program(2) and "jaxgen_few_rows" not in program(1)
 

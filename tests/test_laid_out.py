@@ -61,10 +61,10 @@ def test_other_params_or_another_plan_lay_out_again_and_freed_params_free_the_co
     calls = _setup(monkeypatch)
     model, params = tiny_llama(num_layers=2, intermediate_size=40)
     _generate(model, params, [[3, 1, 4], [1, 5]])
-    monkeypatch.setattr(few_rows, "group_rows", lambda: 4)  # one row then runs XLA's products
-    _generate(model, params, [[3, 1, 4]])  # one row: another plan (no kernel, separate layout)
+    monkeypatch.setattr(few_rows, "available", lambda: False)  # XLA's products: another plan
+    _generate(model, params, [[3, 1, 4], [1, 5]])  # same params, another layout
     other = jax.tree_util.tree_map(lambda a: a * 1.0, params)  # new arrays, same values
-    _generate(model, other, [[3, 1, 4]])
+    _generate(model, other, [[3, 1, 4], [1, 5]])
     assert len(calls) == 3
     assert compiled._LAID_OUT and compiled._LAID_OUT[0][1][0]() is not None
     del other

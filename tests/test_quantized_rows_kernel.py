@@ -151,19 +151,22 @@ def _tiny_gguf(tmp_path, kind):
                           head_kind=gguf.GGMLQuantizationType.Q8_0 if kind == "Q4_1" else None)
 
 
-def test_one_row_programs_take_the_kernel_for_quantized_weights_whatever_the_row_group(
-        monkeypatch):
-    # XLA expands quantized weights in memory before each product: the kernel wins at one row
-    # on every build, where the float32 one-row decision waits for the 8-row build
+def test_one_row_programs_take_the_kernel_whatever_the_row_group(monkeypatch):
+    # the kernel streams each weight row whole for one input row: measured faster than XLA's
+    # matrix-vector products on the 4-row (AVX2) and the 8-row (AVX-512) builds, and XLA
+    # expands quantized weights in memory before each product
     from jaxgen.backends.cpu import layer_split
     from jaxgen.models import tiny_llama
     from jaxgen.models.quantize import quantize_params
 
     monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setattr(layer_split.few_rows, "group_rows", lambda: 4)
     model, params = tiny_llama(hidden_size=24, intermediate_size=40)
+    for group in (4, 8):
+        monkeypatch.setattr(layer_split.few_rows, "group_rows", lambda group=group: group)
+        assert layer_split.decoding_plan(model, params, 1)["kernel"]
+        assert layer_split.decoding_plan(model, quantize_params(model.config, params), 1)["kernel"]
+    monkeypatch.setattr(layer_split.few_rows, "available", lambda: False)
     assert layer_split.decoding_plan(model, params, 1)["kernel"] is False
-    assert layer_split.decoding_plan(model, quantize_params(model.config, params), 1)["kernel"]
 
 
 def _params(tmp_path, source):

@@ -225,16 +225,14 @@ def decoding_plan(model, params, rows: int | None = None, layout: str = "auto") 
 
 def _kernel_runs(params, rows: int | None) -> bool:
     """The native kernel's layout applies: one CPU device, float32 weights (or quantized ones
-    the quantized kernel takes), the kernel built, and not a one-row program of float32 weights
-    unless the kernel streams groups of 8 rows (AVX-512 build: whole batch-1 programs 1.1x
-    faster than XLA's matrix-vector products on a Zen 4 host, more once one row streamed each
-    weight row whole (26-30 -> 20-21 ms/token, not re-timed against XLA); the 4-row build
-    measured 0.81-0.90x of them on an AVX2 host, with the earlier one-row tiles: its streaming
-    path is unmeasured there). Quantized weights take it for one row too: XLA expands them to
-    float32 in memory before every product."""
+    the quantized kernel takes) and the kernel built, whatever the rows. One row included:
+    the kernel streams each weight row whole, and whole batch-1 SmolLM2 programs ran faster
+    than on XLA's matrix-vector products on both kinds of host (AVX-512 Zen 4: 1.1x and more;
+    AVX2 EPYC, 4-row build: 37.3 against 41.7 ms a token, medians of 7 interleaved calls);
+    quantized weights gain most, since XLA expands them to float32 in memory before every
+    product."""
     return (jax.default_backend() == "cpu" and jax.device_count() == 1
-            and _kernel_weights(params) and few_rows.available()
-            and (rows != 1 or few_rows.group_rows() >= 8 or _has_quantized(params)))
+            and _kernel_weights(params) and few_rows.available())
 
 
 def _has_quantized(params) -> bool:

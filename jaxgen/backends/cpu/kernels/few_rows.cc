@@ -53,6 +53,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenFewRows, FewRowsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer"));
 
-// The input rows one weight pass serves (4, or 8 with AVX-512), for the Python side's layout
-// decisions (`few_rows.group_rows`).
+// The input rows one weight pass serves (4, or 8 with AVX-512), for the Python side's reports
+// (`few_rows.group_rows`).
 extern "C" int JaxgenFewRowsGroupRows() { return GROUP_ROWS; }
