@@ -334,7 +334,8 @@ def main() -> None:
                         help="which jaxgen rows: 0 load() as it is, 1 stacked scan, "
                              "2 unstacked, 3 int8, 4 int8 unstacked, 5 GGUF blocks, "
                              "6 int8 and 7 GGUF blocks with the native kernels off (XLA "
-                             "expands the codes in memory)")
+                             "expands the codes in memory), 8 fp32 with the kernels off "
+                             "(XLA's own products)")
     args = parser.parse_args()
 
     model, stacked, tokenizer = load(DEFAULT_MODEL)
@@ -349,7 +350,8 @@ def main() -> None:
                "jaxgen int8 unstacked": (quantize_params(model.config, unstacked), "auto"),
                "jaxgen GGUF Q4_1 blocks (split per call)": (blocks, "auto"),
                "jaxgen int8, kernels off": (int8, "auto", "off"),
-               "jaxgen GGUF Q4_1 blocks, kernels off": (blocks, "auto", "off")}
+               "jaxgen GGUF Q4_1 blocks, kernels off": (blocks, "auto", "off"),
+               "jaxgen fp32, kernels off": (stacked, "auto", "off")}
     layouts = {name: entry for index, (name, entry) in enumerate(layouts.items())
                if str(index) in args.layouts}
     bandwidth = measure_bandwidth()
