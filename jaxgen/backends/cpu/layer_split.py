@@ -199,7 +199,7 @@ def for_decoding(model, params, rows: int | None = None, layout: str = "auto"):
 def decoding_plan(model, params, rows: int | None = None, layout: str = "auto") -> dict | None:
     """`for_decoding`'s decision: None (params as they are) or `split_layers`' keywords. On
     one CPU device with float32 weights and the native kernel available (backends/cpu/kernels),
-    unless rows is 1, the kernel's layout (`fuse=True, kernel=True`); else split per layer,
+    the kernel's layout (`fuse=True, kernel=True`) for any `rows`; else split per layer,
     fused when decode forwards run few rows, row by row on CPU; both for jaxgen's Llama with
     stacked layers when `layout` is "split", or "auto" on a single CPU device with at least
     SPLIT_MIN_BYTES of layer weights (per-layer params of that size: the kernel's layout only);
@@ -212,23 +212,24 @@ def decoding_plan(model, params, rows: int | None = None, layout: str = "auto") 
     if not is_stacked(params):  # per-layer params: the kernel's layout, or as they are
         large = layout == "split" or _layer_bytes(params) >= SPLIT_MIN_BYTES
         return (dict(fuse=True, rowwise=False, kernel=True)
-                if large and _plain_per_layer(params) and _kernel_runs(params, rows) else None)
+                if large and _plain_per_layer(params) and _kernel_runs(params) else None)
     if layout == "auto" and (jax.default_backend() != "cpu" or jax.device_count() > 1
                              or _layer_bytes(params) < SPLIT_MIN_BYTES):
         return None  # accelerators, CPU meshes (a test device's emulation), small models
     rowwise = jax.default_backend() == "cpu"
-    if _kernel_runs(params, rows):
+    if _kernel_runs(params):
         return dict(fuse=True, rowwise=False, kernel=True)
     fuse = rows is not None and (rows == 1 or (rowwise and rows <= ROWWISE_MAX_ROWS))
     return dict(fuse=fuse, rowwise=rowwise, kernel=False)
 
 
-def _kernel_runs(params, rows: int | None) -> bool:
+def _kernel_runs(params) -> bool:
     """The native kernel's layout applies: one CPU device, float32 weights (or quantized ones
     the quantized kernel takes) and the kernel built, whatever the rows. One row included:
     the kernel streams each weight row whole, and whole batch-1 SmolLM2 programs ran faster
     than on XLA's matrix-vector products on both kinds of host (AVX-512 Zen 4: 1.1x and more;
-    AVX2 EPYC, 4-row build: 37.3 against 41.7 ms a token, medians of 7 interleaved calls);
+    AVX2 EPYC Zen 1, 4-row build: 40.4 against 45.3 ms a token in
+    `benchmarks/bench_speed.py --layouts 08`);
     quantized weights gain most, since XLA expands them to float32 in memory before every
     product."""
     return (jax.default_backend() == "cpu" and jax.device_count() == 1
