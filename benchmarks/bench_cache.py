@@ -113,7 +113,8 @@ def run_one(label: str, context: int, steps: int, split: bool = True,
     token.block_until_ready()
     compile_and_first = time.perf_counter() - t0
     elapsed = []
-    for repeat in range(repeats):  # each call writes `steps` more positions of the capacity
+    for repeat in range(repeats):  # calls alternate between the two halves of the
+        # 2 * steps positions past the context, so none writes past the capacity
         t0 = time.perf_counter()
         cache, token = decode(params, cache, token, jnp.int32(context + steps * (repeat % 2)))
         token.block_until_ready()

@@ -3,7 +3,7 @@ and llama.cpp (when llama-cpp-python is installed: the shipped Q4_1 GGUF and an 
 written from it), SmolLM2-135M-Instruct, batch 1. One run, medians of repeats, ratios within
 the run.
 
-    python benchmarks/bench_prefill.py [--prompt-tokens 512 2048 8192] [--repeats 5]
+    python benchmarks/bench_prefill.py [--prompt-tokens 512 2048 8000] [--repeats 5]
 
 A prefill is timed as a generate call with max_new_tokens=1 (the prompt's forward plus one
 token choice) in jaxgen and transformers, and as `Llama.eval(prompt)` in llama.cpp; compiles

@@ -100,8 +100,7 @@ def test_generate_with_the_kernel_gives_xla_s_tokens(monkeypatch, batch, setting
         np.testing.assert_allclose(with_kernel.sequences_scores, plain.sequences_scores, atol=1e-5)
 
 
-def test_multi_row_programs_call_the_kernel_and_one_row_programs_only_with_8_row_groups(
-        monkeypatch):
+def test_one_and_multi_row_programs_call_the_kernel_on_either_row_group(monkeypatch):
     import jaxgen
     from jaxgen.backends.cpu import layer_split
     from jaxgen.loops.decode import DecodeLoop

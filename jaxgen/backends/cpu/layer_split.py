@@ -236,11 +236,6 @@ def _kernel_runs(params) -> bool:
             and _kernel_weights(params) and few_rows.available())
 
 
-def _has_quantized(params) -> bool:
-    """True when a layer matrix is an Int8Matrix or BlockMatrix."""
-    return any(isinstance(m, (Int8Matrix, BlockMatrix)) for m in _layer_values(params))
-
-
 def _layer_values(params) -> list:
     """Every value of params["layers"], stacked (a dict) or per layer (a list of dicts)."""
     layers = params["layers"]
