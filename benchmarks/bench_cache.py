@@ -18,6 +18,7 @@ only) plus 64 slots of rollback slack; "offloaded" is a no-op on CPU (host memor
 device memory), so it measures the same program as "static".
 
     python benchmarks/bench_cache.py [--contexts 1024 4096 16384] [--steps 16] [--stacked-cache]
+                                     [--xla-attention]
     python benchmarks/bench_cache.py --prefill 4096 --kinds static "quantized int8"
 
 Prints a markdown table and saves benchmarks/bench_cache.png.
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 from bench_generate import measure_bandwidth
 from report_table import table_header, table_row
 
+from jaxgen.backends.cpu.kernel_attention import with_kernel_attention, without_kernel_attention
 from jaxgen.backends.cpu.layer_split import for_decoding
 from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
 from jaxgen.core.state import next_pow2
@@ -73,15 +75,19 @@ def fill(cache, context: int, key):
     return cache.with_length(jnp.full((1,), context, jnp.int32))
 
 
-def make_decode(model, steps: int, split: bool = True):
+def make_decode(model, steps: int, split: bool = True, kernel_attention: bool = True):
     """`steps` greedy steps in one jitted loop, over what a compiled generate call runs: the
     weights as `for_decoding` lays them out and, with per-layer weights, the cache held per
-    layer (jaxgen/backends/cpu/prepare.py; split=False keeps it stacked)."""
+    layer, attending through the native decode-attention kernel where it is built
+    (jaxgen/backends/cpu/prepare.py; split=False keeps the cache stacked, kernel_attention=False
+    runs XLA's attention)."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, token, start):
         params = for_decoding(model, params, rows=1, layout="auto")
         if isinstance(params["layers"], (list, tuple)) and split:
             cache = to_layer_tuples(cache)
+            if kernel_attention:
+                cache = with_kernel_attention(cache)
 
         def body(i, carry):
             cache, token = carry
@@ -89,12 +95,12 @@ def make_decode(model, steps: int, split: bool = True):
             out = model(params, token[:, None], position, cache)
             return out.cache, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
         cache, token = jax.lax.fori_loop(0, steps, body, (cache, token))
-        return to_stacked_layers(cache), token
+        return to_stacked_layers(without_kernel_attention(cache)), token
     return decode
 
 
 def run_one(label: str, context: int, steps: int, split: bool = True,
-            repeats: int = 3) -> dict:
+            repeats: int = 3, kernel_attention: bool = True) -> dict:
     """Cache bytes, decode tokens/s (median of `repeats` calls of `steps` steps), the
     first call's seconds and the bytes a step reads at least (layer weights, head, cache)."""
     kind, cache_config, window = KINDS[label]
@@ -106,7 +112,7 @@ def run_one(label: str, context: int, steps: int, split: bool = True,
     cache = model.init_cache(1, capacity, kind=kind, cache_config=cache_config)
     cache = fill(cache, context, jax.random.key(1))
     nbytes = cache.nbytes()
-    decode = make_decode(model, steps, split)
+    decode = make_decode(model, steps, split, kernel_attention)
     token = jnp.zeros((1,), jnp.int32)
     t0 = time.perf_counter()
     cache, token = decode(params, cache, token, jnp.int32(context))
@@ -156,6 +162,9 @@ def main(argv=None):
     parser.add_argument("--stacked-cache", action="store_true",
                         help="keep the cache stacked [L, ...] (what compiled calls ran before "
                              "the cache was held per layer: jaxgen.cache.layer_forms)")
+    parser.add_argument("--xla-attention", action="store_true",
+                        help="attention through XLA's products, not the native "
+                             "decode-attention kernel (jaxgen/backends/cpu/kernel_attention.py)")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                         help="instead: seconds of generate() for a prompt of TOKENS tokens "
                              "and 4 new ones, per kind")
@@ -170,7 +179,7 @@ def main(argv=None):
     for context in args.contexts:
         for label in args.kinds:
             row = run_one(label, context, args.steps, split=not args.stacked_cache,
-                          repeats=args.repeats)
+                          repeats=args.repeats, kernel_attention=not args.xla_attention)
             rows.append(row)
             print(f"  {label:24s} ctx {context:6d}: {row['bytes'] / 2**20:8.1f} MiB  "
                   f"{row['tokens_per_s']:7.1f} tok/s  (first call {row['first_call_s']:.1f}s)",

@@ -148,8 +148,9 @@ def test_old_entries_are_pruned(tmp_path, monkeypatch):
 
 
 def test_a_fresh_process_runs_stored_programs_that_call_the_native_kernel(tmp_path):
-    # split layers on a tiny model: the batch-2 programs call jaxgen_few_rows, whose FFI target
-    # a fresh process has not registered until the store loads an entry
+    # split layers on a tiny model: the batch-2 programs call jaxgen_few_rows and the dense
+    # decode-attention kernel, whose FFI targets a fresh process has not registered until the
+    # store loads an entry
     folder = str(tmp_path / "executables")
     first = json.loads(_script(folder, "split"))["first"]  # generate(..., layout="split")
     again = json.loads(_script(folder, "split"))["first"]
@@ -157,7 +158,8 @@ def test_a_fresh_process_runs_stored_programs_that_call_the_native_kernel(tmp_pa
     assert again["stats"]["hits"] == 4 and again["compiles"] == 0
     assert again["tokens"] == first["tokens"]
     targets = _native_targets(folder)
-    assert targets["run_donated"] == ["jaxgen_few_rows"] and targets["layout_pieces"] == []
+    assert targets["run_donated"] == ["jaxgen_few_rows", "jaxgen_decode_attention_dense"]
+    assert targets["layout_pieces"] == []
 
 
 _THROUGH_XLA_CACHE = """

@@ -91,7 +91,7 @@ def finish(state, layout: str, held_tuples: bool = False):
     caller's cache came in as per-layer buffers (a long-lived state kept so between calls,
     as the serving engine keeps its slots): it goes back so, with no stacking copy."""
     backend = _cpu(layout)
-    return state if backend is None or held_tuples else backend.finish(state)
+    return state if backend is None else backend.finish(state, stack=not held_tuples)
 
 
 def _kernels():

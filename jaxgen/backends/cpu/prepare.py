@@ -8,9 +8,12 @@ calls, and the only entry into this package.
     with_layout(params, pieces, plan)          host or traced: params in that layout
     prepare(model, params, state, rows,        traced, at the top of the program: params laid
             layer_tuples, layout)              out (unless laid out already) and, with per-layer
-                                               weights, the cache held as per-layer buffers
-    finish(state)                              traced, at the end: the cache stacked back (the
-                                               caller's form, so donated buffers alias)
+                                               weights, the cache held as per-layer buffers,
+                                               dense and int8 ones attending through the native
+                                               decode-attention kernel (kernel_attention.py)
+    finish(state, stack=True)                  traced, at the end: the cache in the caller's
+                                               class, stacked back (the caller's form, so
+                                               donated buffers alias) unless stack is False
 
 Example:
     >>> import jaxgen
@@ -24,6 +27,7 @@ Example:
 from __future__ import annotations
 
 from jaxgen.backends.cpu import layer_split
+from jaxgen.backends.cpu.kernel_attention import with_kernel_attention, without_kernel_attention
 from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
 
 
@@ -47,19 +51,22 @@ def prepare(model, params, state, rows: int | None, layer_tuples: bool, layout: 
     """(params, state) as the program runs them: weights laid out for decoding and, when the
     forward unrolls per-layer weights and the loop takes it (`layer_tuples`), the cache held
     as one buffer per layer (XLA:CPU copies a stacked layer's slice before every matmul that
-    reads it)."""
+    reads it), whose few-query attention runs the native kernel when it is built."""
     decoded = layer_split.for_decoding(model, params, rows=rows, layout=layout)
     unrolled = isinstance(decoded, dict) and isinstance(decoded.get("layers"), (list, tuple))
     if unrolled and layer_tuples:
-        state = state.replace(cache=to_layer_tuples(state.cache))
+        state = state.replace(cache=with_kernel_attention(to_layer_tuples(state.cache)))
     return decoded, state
 
 
-def finish(state):
-    """The state with its cache stacked back (a no-op for stacked caches)."""
+def finish(state, stack: bool = True):
+    """The state with its cache in the caller's class and, unless `stack` is False (a caller
+    that holds its cache per layer between calls), stacked back (a no-op for stacked
+    caches)."""
     if not hasattr(state, "cache"):  # None, or a loop state without a cache
         return state
-    return state.replace(cache=to_stacked_layers(state.cache))
+    cache = without_kernel_attention(state.cache)
+    return state.replace(cache=to_stacked_layers(cache) if stack else cache)
 
 
 __all__ = ["finish", "layout_pieces", "layout_plan", "prepare", "with_layout"]

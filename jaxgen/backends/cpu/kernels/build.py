@@ -77,7 +77,11 @@ TARGET_NAME = "jaxgen_few_rows"  # what ffi_target() names: float32 weights
 HANDLER_SYMBOL = "JaxgenFewRows"
 QUANTIZED_TARGET_NAME = "jaxgen_quantized_rows"  # int8 / 4-bit codes
 QUANTIZED_HANDLER_SYMBOL = "JaxgenQuantizedRows"
-NATIVE_TARGETS = (TARGET_NAME, QUANTIZED_TARGET_NAME)  # every FFI target a program may call
+ATTENTION_SOURCE = Path(__file__).with_name("decode_attention.cc")
+ATTENTION_TARGETS = {"jaxgen_decode_attention_dense": "JaxgenDecodeAttention",  # float32
+                     "jaxgen_decode_attention_codes": "JaxgenDecodeAttentionCodes"}  # int8
+NATIVE_TARGETS = (TARGET_NAME, QUANTIZED_TARGET_NAME, *ATTENTION_TARGETS)  # every FFI target
+# a program may call
 SETTING_VARIABLE = "JAXGEN_CPU_KERNELS"
 SETTINGS = ("auto", "off")
 SETTING_WORDS = {"auto": "auto", "on": "auto", "1": "auto", "true": "auto", "yes": "auto",
@@ -329,8 +333,9 @@ def library_ready(source: Path) -> bool:
 
 def _registered(source: Path) -> bool:
     """True when `source`'s kernel is registered in this process (or found unavailable)."""
-    registered = {QUANTIZED_SOURCE.name: _registered_quantized_target}.get(source.name,
-                                                                          _registered_target)
+    registered = {QUANTIZED_SOURCE.name: _registered_quantized_target,
+                  ATTENTION_SOURCE.name: _registered_attention_targets}.get(source.name,
+                                                                           _registered_target)
     return bool(registered.cache_info().currsize)
 
 
@@ -364,7 +369,9 @@ def start_builds_for(weights: str, file_bytes: int | None) -> list[str]:
     layout="split" builds then). Returns the names of the sources whose build started."""
     if file_bytes is None or file_bytes * WEIGHT_FILE_EXPANSION < SPLIT_MIN_BYTES:
         return []
-    sources = (SOURCE, QUANTIZED_SOURCE) if weights in QUANTIZED_WEIGHTS else (SOURCE,)
+    sources = (SOURCE, ATTENTION_SOURCE)
+    if weights in QUANTIZED_WEIGHTS:
+        sources += (QUANTIZED_SOURCE,)
     return start_background_build(sources)
 
 
@@ -435,10 +442,36 @@ def _registered_quantized_target() -> str | None:
     return QUANTIZED_TARGET_NAME
 
 
+def attention_targets() -> dict[str, str] | None:
+    """The decode-attention kernel's FFI targets ({"dense": name, "codes": name}: float32 and
+    int8 caches), or None when kernels are off, the few-row kernel is not available or this
+    one cannot be built (warned once, with the reason)."""
+    return None if ffi_target() is None else _registered_attention_targets()
+
+
+@functools.cache
+def _registered_attention_targets() -> dict[str, str] | None:
+    try:
+        library = _load_library(ATTENTION_SOURCE)
+        for name, symbol in ATTENTION_TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
+        _LOADED[ATTENTION_SOURCE.name] = library
+    except (RuntimeError, AttributeError, OSError) as error:
+        warnings.warn(f"jaxgen: the CPU decode-attention kernel is not available ({error}); "
+                      f"attention runs XLA's own products (set {SETTING_VARIABLE}=off to "
+                      f"silence this)", RuntimeWarning, stacklevel=2)
+        return None
+    dense, codes = ATTENTION_TARGETS
+    return {"dense": dense, "codes": codes}
+
+
 def register_targets(names) -> bool:
     """Registers the named FFI targets (NATIVE_TARGETS), building what is missing; True when
     every one is registered, False when one is not available (or not a target of these)."""
-    registered = {TARGET_NAME: ffi_target, QUANTIZED_TARGET_NAME: quantized_target}
+    attention = lambda name: (attention_targets() or {}) and name  # noqa: E731
+    registered = {TARGET_NAME: ffi_target, QUANTIZED_TARGET_NAME: quantized_target,
+                  **{name: functools.partial(attention, name) for name in ATTENTION_TARGETS}}
     return all(name in registered and registered[name]() == name for name in names)
 
 
@@ -456,7 +489,7 @@ def main(argv=None) -> int:
         print("usage: python -m jaxgen.backends.cpu.kernels.build [build]", file=sys.stderr)
         return 2
     status = 0
-    for source in (SOURCE, QUANTIZED_SOURCE):
+    for source in (SOURCE, QUANTIZED_SOURCE, ATTENTION_SOURCE):
         try:
             print(f"{source.name}: {build_library(source)}")
         except (OSError, RuntimeError, ValueError) as error:
@@ -465,7 +498,7 @@ def main(argv=None) -> int:
     return status
 
 
-__all__ = ["NATIVE_TARGETS", "SETTINGS", "build_library", "build_timeout", "cache_dir",
+__all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_targets", "build_library", "build_timeout", "cache_dir",
            "ffi_target", "group_rows", "kernel_folder", "kernel_setting", "parse_kernel_setting",
            "library_ready", "quantized_target", "register_targets", "start_background_build",
            "start_builds_for", "use_temporary_folder"]

@@ -134,31 +134,34 @@ inline void block(const float* x, int64_t m, int64_t k, const float* w, float* y
   }
 }
 
-// Runs body(begin, end) over [0, n) in blocks of BLOCK_ROWS weight rows that the calling
-// thread and tasks on XLA's intra-op thread pool claim from one atomic counter; the caller
+// Runs body(begin, end) over [0, n) in blocks of `block_size` items (BLOCK_ROWS weight rows
+// unless told) that the calling thread and tasks on XLA's intra-op thread pool claim from one
+// atomic counter; the caller
 // waits only for blocks another thread has claimed, so a busy or missing pool slows the call
 // but never blocks it.
 struct Blocks {
   std::function<void(int64_t, int64_t)> body;
-  int64_t n, blocks;
+  int64_t n, blocks, block_size;
   std::atomic<int64_t> next{0};      // the next unclaimed block
   std::atomic<int64_t> finished{0};  // blocks done
 };
 
 inline void drain(Blocks& s) {
   for (int64_t b = s.next.fetch_add(1); b < s.blocks; b = s.next.fetch_add(1)) {
-    int64_t begin = b * BLOCK_ROWS, end = std::min(begin + BLOCK_ROWS, s.n);
+    int64_t begin = b * s.block_size, end = std::min(begin + s.block_size, s.n);
     s.body(begin, end);
     s.finished.fetch_add(1, std::memory_order_release);
   }
 }
 
 inline void run_blocks(xla::ffi::ThreadPool& pool, int64_t n,
-                       std::function<void(int64_t, int64_t)> body) {
+                       std::function<void(int64_t, int64_t)> body,
+                       int64_t block_size = BLOCK_ROWS) {
   auto shared = std::make_shared<Blocks>();
   shared->body = std::move(body);
   shared->n = n;
-  shared->blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  shared->block_size = block_size;
+  shared->blocks = (n + block_size - 1) / block_size;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->blocks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { drain(*shared); });
   drain(*shared);

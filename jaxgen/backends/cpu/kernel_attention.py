@@ -1,0 +1,152 @@
+"""Dense and int8 caches whose few-query attention runs the native decode-attention kernel.
+
+`with_kernel_attention(cache)` gives a cache of the same fields whose class is a subclass of
+the cache's own (`KVCache`, `DynamicKVCache`, `QuantizedKVCache`): its `attend` (and the int8
+cache's `update_attend`) run `kernels/decode_attention` when the call is one it takes
+(`_kernel_runs`: float32 queries, at most MAX_ROWS query rows per KV head, no soft-capping,
+no token tree; int8 codes without a residual ring, float32 scales), else the cache's own
+attention. `without_kernel_attention` gives the caller's class back. The backend's `prepare`
+swaps the class in at the top of a program whose cache it holds per layer, `finish` swaps
+it out at the end, so the caller never holds one.
+
+The kernel reads only the keys a query can see, once; XLA:CPU's batched products read every
+slot the cache holds (allocated for the whole generation). On an AVX2 host (Zen 1, two
+cores), one layer of 8 KV heads x 64 at 16k keys: 3.4 ms against 5.4 (`benchmarks/
+bench_cache.py` gives the whole step).
+
+Example:
+    >>> from jaxgen.cache import KVCache
+    >>> from jaxgen.cache.layer_forms import to_layer_tuples
+    >>> cache = to_layer_tuples(KVCache.init(num_layers=2, batch=1, max_len=8,
+    ...                                      num_kv_heads=1, head_dim=8))
+    >>> swapped = with_kernel_attention(cache)
+    >>> isinstance(swapped, KVCache), type(without_kernel_attention(swapped)) is KVCache
+    (True, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen.backends.cpu.kernels import decode_attention as kernel
+from jaxgen.cache.dense import DynamicKVCache, KVCache
+from jaxgen.cache.int8 import QuantizedKVCache
+from jaxgen.cache.layer_forms import holds_layer_tuples
+
+
+def _query_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """q [B, S, H, Dh] -> [B, Hkv, G*S, Dh] (group-major rows, as the kernel reads them)."""
+    batch, seq, heads, dim = q.shape
+    grouped = q.reshape(batch, seq, num_kv_heads, heads // num_kv_heads, dim)  # [B,S,Hkv,G,Dh]
+    return jnp.transpose(grouped, (0, 2, 3, 1, 4)).reshape(
+        batch, num_kv_heads, heads // num_kv_heads * seq, dim)  # [B, Hkv, G*S, Dh]
+
+
+def _heads_out(rows: jax.Array, q: jax.Array) -> jax.Array:
+    """The kernel's [B, Hkv, G*S, Dh] -> [B, S, H, Dh] in q's dtype."""
+    batch, seq, heads, dim = q.shape
+    kv_heads = rows.shape[1]
+    out = rows.reshape(batch, kv_heads, heads // kv_heads, seq, dim)  # [B, Hkv, G, S, Dh]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, heads, dim).astype(q.dtype)
+
+
+def _kernel_runs(q: jax.Array, num_kv_heads: int, softcap, tree_mask, groups=(1, 1)) -> bool:
+    """The kernel takes this attention call (decided while tracing)."""
+    batch, seq, heads, dim = q.shape
+    return (q.dtype == jnp.float32 and softcap is None and tree_mask is None
+            and heads % num_kv_heads == 0 and kernel.runs(heads // num_kv_heads * seq, dim,
+                                                          *groups)
+            and kernel.available())
+
+
+class _DenseKernelAttention:
+    """attend through the kernel for a float32 dense cache (mixed into KVCache and its kinds)."""
+
+    def attend(self, layer, q, q_positions, *, scale: float, window=None, softcap=None,
+               tree_mask=None):
+        k_layer, v_layer = self.k[layer], self.v[layer]  # [B, Hkv, T, Dh]
+        if k_layer.dtype != jnp.float32 or not _kernel_runs(q, k_layer.shape[1], softcap,
+                                                            tree_mask):
+            tree = {} if tree_mask is None else {"tree_mask": tree_mask}
+            return super().attend(layer, q, q_positions, scale=scale, window=window,
+                                  softcap=softcap, **tree)
+        rows = kernel.decode_attention(_query_rows(q, k_layer.shape[1]), k_layer, v_layer,
+                                       q_positions, scale=scale, window=window)  # [B,Hkv,R,Dh]
+        return _heads_out(rows, q)
+
+
+class _CodesKernelAttention:
+    """attend / update_attend through the kernel for an int8 cache without a residual ring:
+    the query rotated into the codes' basis, the output rotated back (jaxgen.cache.int8)."""
+
+    def _kernel_takes(self, layer, q, softcap) -> bool:
+        return (self.nbits == 8 and self.rk is None and self.residual_length == 0
+                and self.k_scale[layer].dtype == jnp.float32
+                and _kernel_runs(q, self.kq[layer].shape[1], softcap, None,
+                                 (self.k_scale[layer].shape[-1], self.v_scale[layer].shape[-1])))
+
+    def _kernel_attend(self, layer, q, q_positions, scale: float, window):
+        rows = _query_rows(q, self.kq[layer].shape[1]).astype(jnp.float32)  # [B, Hkv, R, Dh]
+        rotation = self.rotation
+        if rotation is not None:
+            rows = rows @ rotation  # [B, Hkv, R, Dh]
+        out = kernel.decode_attention(rows, self.kq[layer], self.vq[layer], q_positions,
+                                      scale=scale, window=window, k_scale=self.k_scale[layer],
+                                      v_scale=self.v_scale[layer])  # [B, Hkv, R, Dh]
+        if rotation is not None:
+            out = out @ rotation.T  # [B, Hkv, R, Dh]
+        return _heads_out(out, q)
+
+    def attend(self, layer, q, q_positions, *, scale: float, window=None, softcap=None):
+        if not self._kernel_takes(layer, q, softcap):
+            return super().attend(layer, q, q_positions, scale=scale, window=window,
+                                  softcap=softcap)
+        return self._kernel_attend(layer, q, q_positions, scale, window)
+
+    def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float, window=None,
+                      softcap=None):
+        if not self._kernel_takes(layer, q, softcap):
+            return super().update_attend(layer, q, k_new, v_new, positions, scale=scale,
+                                         window=window, softcap=softcap)
+        cache = self.update(layer, k_new, v_new, positions)
+        return cache._kernel_attend(layer, q, positions, scale, window), cache
+
+
+_MIXINS = {KVCache: _DenseKernelAttention, DynamicKVCache: _DenseKernelAttention,
+           QuantizedKVCache: _CodesKernelAttention}
+
+
+@functools.cache
+def _kernel_class(base: type) -> type:
+    """base's subclass with the kernel's attention (a registered dataclass PyTree too)."""
+    cls = type(f"Kernel{base.__name__}", (_MIXINS[base], base), {"__module__": __name__})
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    return jax.tree_util.register_dataclass(cls)
+
+
+_BASES = {}  # kernel class -> the cache class it extends
+
+
+def with_kernel_attention(cache):
+    """The cache with its class swapped for the kernel's (same fields, no array work), when
+    it is a dense or int8 cache held per layer and the kernel is built; else unchanged."""
+    base = type(cache)
+    if base not in _MIXINS or not holds_layer_tuples(cache) or not kernel.available():
+        return cache
+    cls = _kernel_class(base)
+    _BASES[cls] = base
+    return cls(**{field.name: getattr(cache, field.name) for field in dataclasses.fields(cache)})
+
+
+def without_kernel_attention(cache):
+    """The cache in the class it had before `with_kernel_attention` (others unchanged)."""
+    base = _BASES.get(type(cache))
+    if base is None:
+        return cache
+    return base(**{field.name: getattr(cache, field.name) for field in dataclasses.fields(cache)})
+
+
+__all__ = ["with_kernel_attention", "without_kernel_attention"]

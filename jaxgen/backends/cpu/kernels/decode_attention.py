@@ -1,0 +1,64 @@
+"""`decode_attention(q_rows, k, v, q_positions, ...)`: attention of a few query rows over one
+layer of a heads-major KV cache (float32, or int8 codes with group scales) through the native
+kernel `decode_attention.cc` (CPU).
+
+The kernel reads only the keys some query can see (j <= position, within the sliding window),
+once, in chunks that XLA's thread pool shares, and widens int8 codes in registers; XLA:CPU's
+batched products read every slot the cache holds, at about half the bandwidth probe's rate.
+
+Under `jax.vmap` the call runs once per mapped row (`vmap_method="sequential"`).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxgen.backends.cpu.kernels.build import attention_targets
+    >>> q = jnp.ones((1, 1, 1, 8))                                # [B, H, R, D]
+    >>> k = jnp.ones((1, 1, 4, 8))                                # [B, H, T, D]
+    >>> v = jnp.arange(4.0)[None, None, :, None] * jnp.ones((1, 1, 4, 8))
+    >>> if attention_targets() is not None:                       # built on this machine
+    ...     out = decode_attention(q, k, v, jnp.array([[2]]), scale=0.5)
+    ...     assert abs(float(out[0, 0, 0, 0]) - 1.0) < 1e-6       # the mean of 0, 1, 2
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.backends.cpu.kernels.build import attention_targets
+
+MAX_ROWS = 64  # query rows (G * S) per (row, KV head) the kernel serves; more: XLA's matmuls
+
+
+def available() -> bool:
+    """True when the kernel is built and registered for this process (CPU only)."""
+    return attention_targets() is not None
+
+
+def runs(rows: int, head_dim: int, key_groups: int = 1, value_groups: int = 1) -> bool:
+    """True when the kernel takes `rows` query rows per KV head of head_dim channels (a
+    multiple of 8), with int8 scale groups of a multiple of 8 channels."""
+    return (0 < rows <= MAX_ROWS and head_dim % 8 == 0
+            and all(g > 0 and head_dim % (8 * g) == 0 for g in (key_groups, value_groups)))
+
+
+def decode_attention(q_rows: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
+                     scale: float, window=None, k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None) -> jax.Array:
+    """q_rows [B, H, R, D] float32 (R = G * S, group-major) over k, v [B, H, T, D] (float32,
+    or int8 codes with k_scale [B, H, T, Nk] / v_scale [B, H, T, Nv] float32), queries at
+    q_positions int32 [B, S]; key j visible iff j <= position (and position - j < window,
+    an int or int32 scalar; None: no window). Returns [B, H, R, D] float32 (zeros for a row
+    that sees no key). The kernel must be available."""
+    targets = attention_targets()
+    window = jnp.asarray(0 if window is None else window, jnp.int32).reshape(1)  # [1]
+    out = jax.ShapeDtypeStruct(q_rows.shape, jnp.float32)  # [B, H, R, D]
+    positions = q_positions.astype(jnp.int32)  # [B, S]
+    if k_scale is None:
+        call = jax.ffi.ffi_call(targets["dense"], out, vmap_method="sequential")
+        return call(q_rows, k, v, positions, window, scale=np.float32(scale))
+    call = jax.ffi.ffi_call(targets["codes"], out, vmap_method="sequential")
+    return call(q_rows, k, v, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
+                positions, window, scale=np.float32(scale))
+
+
+__all__ = ["MAX_ROWS", "available", "decode_attention", "runs"]

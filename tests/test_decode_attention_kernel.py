@@ -1,0 +1,178 @@
+"""The native decode-attention kernel against the portable attention (jaxgen.cache.attention),
+and generate() running it through the CPU backend's cache classes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen.backends.cpu.kernels import decode_attention as kernel
+from jaxgen.cache.attention import KeyBlock, attend_blocks
+from jaxgen.cache.int8 import quantize
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
+
+
+@pytest.fixture(autouse=True)
+def _built(monkeypatch):
+    monkeypatch.delenv("JAXGEN_CPU_KERNELS", raising=False)
+    assert kernel.available(), "the kernel must build on the test machine (a C++ compiler)"
+
+
+def _random(shape, seed):
+    return jnp.asarray(np.random.RandomState(seed).standard_normal(shape), jnp.float32)
+
+
+def _rows(q, kv_heads):  # [B, S, H, D] -> [B, Hkv, G*S, D], group-major
+    batch, seq, heads, dim = q.shape
+    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
+    return jnp.transpose(grouped, (0, 2, 3, 1, 4)).reshape(batch, kv_heads, -1, dim)
+
+
+def _heads(rows, q):  # the inverse of _rows
+    batch, seq, heads, dim = q.shape
+    out = rows.reshape(batch, rows.shape[1], heads // rows.shape[1], seq, dim)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(q.shape)
+
+
+# (batch, queries, heads, kv heads, keys, head_dim, window): one and several queries, grouped
+# heads, key counts off the 256-key chunks and the 4-stream split, windows inside a chunk
+CASES = [(1, 1, 9, 3, 700, 64, None), (2, 4, 4, 2, 1000, 32, None), (1, 3, 2, 1, 600, 8, 100),
+         (3, 1, 8, 8, 257, 64, None), (2, 16, 6, 2, 300, 16, 7), (1, 2, 1, 1, 5, 128, None)]
+
+
+@pytest.mark.parametrize("batch, seq, heads, kv_heads, keys, dim, window", CASES)
+def test_dense_kernel_equals_the_portable_attention(batch, seq, heads, kv_heads, keys, dim,
+                                                     window):
+    q = _random((batch, seq, heads, dim), 0)
+    k, v = _random((batch, kv_heads, keys, dim), 1), _random((batch, kv_heads, keys, dim), 2)
+    start = np.random.RandomState(3).randint(0, keys - seq + 1, size=(batch, 1))
+    positions = jnp.asarray(start + np.arange(seq)[None], jnp.int32)  # [B, S]
+    block = KeyBlock(k=k, v=v, positions=jnp.arange(keys, dtype=jnp.int32), ordered=True)
+    want = attend_blocks(q, positions, [block], scale=dim ** -0.5, window=window)
+    got = jax.jit(lambda q: _heads(kernel.decode_attention(
+        _rows(q, kv_heads), k, v, positions, scale=dim ** -0.5, window=window), q))(q)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("batch, seq, heads, kv_heads, keys, dim, window", CASES[:4])
+def test_int8_kernel_equals_the_portable_attention_over_codes(batch, seq, heads, kv_heads,
+                                                              keys, dim, window):
+    q = _random((batch, seq, heads, dim), 4)
+    k, v = _random((batch, kv_heads, keys, dim), 5), _random((batch, kv_heads, keys, dim), 6)
+    groups = (max(dim // 16, 1), max(dim // 32, 1))
+    kq, ks = quantize(k, 8, groups[0], jnp.float32)  # [B, Hkv, T, D], [B, Hkv, T, Nk]
+    vq, vs = quantize(v, 8, groups[1], jnp.float32)
+    positions = jnp.full((batch, 1), keys - seq, jnp.int32) + jnp.arange(seq)  # [B, S]
+    block = KeyBlock(k=kq, v=vq, positions=jnp.arange(keys, dtype=jnp.int32), k_scale=ks,
+                     v_scale=vs)
+    want = attend_blocks(q, positions, [block], scale=0.25, window=window)
+    got = _heads(kernel.decode_attention(_rows(q, kv_heads), kq, vq, positions, scale=0.25,
+                                         window=window, k_scale=ks, v_scale=vs), q)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_a_query_that_sees_no_key_gets_zeros_and_others_are_unaffected():
+    q, k, v = _random((2, 1, 2, 8), 7), _random((2, 2, 9, 8), 8), _random((2, 2, 9, 8), 9)
+    positions = jnp.array([[-1], [4]], jnp.int32)  # row 0: an empty slot
+    out = _heads(kernel.decode_attention(_rows(q, 2), k, v, positions, scale=1.0), q)
+    assert not np.asarray(out[0]).any()
+    block = KeyBlock(k=k[1:], v=v[1:], positions=jnp.arange(9, dtype=jnp.int32))
+    want = attend_blocks(q[1:], positions[1:], [block], scale=1.0)
+    np.testing.assert_allclose(out[1:], want, rtol=1e-5, atol=1e-6)
+
+
+def test_keys_past_the_query_position_are_never_read():
+    # garbage (NaN) beyond the last visible key must not reach the output
+    q, k, v = _random((1, 1, 1, 8), 10), _random((1, 1, 600, 8), 11), _random((1, 1, 600, 8), 12)
+    k, v = k.at[:, :, 300:].set(jnp.nan), v.at[:, :, 300:].set(jnp.nan)
+    out = kernel.decode_attention(_rows(q, 1), k, v, jnp.array([[299]]), scale=1.0)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_kernel_under_vmap_equals_each_mapped_row():
+    q, k, v = _random((3, 1, 2, 1, 8), 13), _random((3, 1, 2, 20, 8), 14), _random((3, 1, 2, 20, 8), 15)
+    positions = jnp.array([[[5]], [[19]], [[0]]], jnp.int32)
+    mapped = jax.vmap(lambda *a: kernel.decode_attention(*a, scale=0.5))(q, k, v, positions)
+    for index in range(3):
+        one = kernel.decode_attention(q[index], k[index], v[index], positions[index], scale=0.5)
+        np.testing.assert_allclose(mapped[index], one, rtol=1e-6)
+
+
+def test_rows_and_head_dims_the_kernel_does_not_take_are_refused():
+    assert kernel.runs(1, 64) and kernel.runs(kernel.MAX_ROWS, 64, 4, 2)
+    assert not kernel.runs(kernel.MAX_ROWS + 1, 64)
+    assert not kernel.runs(1, 60)  # not a multiple of 8
+    assert not kernel.runs(1, 64, 16, 2)  # key groups of 4 channels
+
+
+def _setup(monkeypatch, cache, **settings):
+    import jaxgen
+    from jaxgen.backends.cpu import layer_split
+    from jaxgen.models import tiny_llama
+
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
+    model, params = tiny_llama(num_layers=2, num_heads=6, num_kv_heads=2, head_dim=32,
+                               hidden_size=48, vocab_size=300, max_position_embeddings=512)
+    extra = {} if cache is None else dict(cache_implementation=cache[0], cache_config=cache[1])
+    cfg = jaxgen.GenerationConfig(max_new_tokens=24, pad_token_id=0, eos_token_id=None,
+                                  **extra, **settings)
+    state = jaxgen.init_state(model, [[5, 7, 9, 11, 13], [3, 4]], cfg, key=jax.random.key(1))
+    return params, state, cfg
+
+
+@pytest.mark.parametrize("cache, target", [
+    (None, "jaxgen_decode_attention_dense"), (("dynamic", None), "jaxgen_decode_attention_dense"),
+    (("quantized", {"nbits": 8}), "jaxgen_decode_attention_codes")])
+@pytest.mark.parametrize("settings", [{}, {"do_sample": True}])
+def test_generate_through_the_kernel_gives_the_portable_tokens(monkeypatch, cache, target,
+                                                               settings):
+    import jaxgen
+    from jaxgen.loops.decode import DecodeLoop
+    from jaxgen.runtime import compiled
+
+    params, state, cfg = _setup(monkeypatch, cache, **settings)
+    if cache is None or cache[0] != "dynamic":  # the growing driver runs programs of its own
+        program = compiled._run_kept.lower(params, state, cfg, None, loop=DecodeLoop(),
+                                           layout="split").as_text()
+        assert target in program, "the CPU layout's program does not call the kernel"
+    split = jaxgen.generate(params, state, cfg, layout="split")
+    params, state, cfg = _setup(monkeypatch, cache, **settings)  # the state was donated
+    portable = jaxgen.generate(params, state, cfg, layout="portable")
+    assert jnp.array_equal(split.sequences, portable.sequences)
+
+
+def test_the_caller_gets_its_own_cache_class_back(monkeypatch):
+    import jaxgen
+    from jaxgen.backends.cpu.kernel_attention import with_kernel_attention
+    from jaxgen.backends.cpu.prepare import finish
+    from jaxgen.cache import KVCache, QuantizedKVCache
+    from jaxgen.cache.layer_forms import holds_layer_tuples, to_layer_tuples
+
+    for cache in (KVCache.init(num_layers=2, batch=1, max_len=8, num_kv_heads=1, head_dim=8),
+                  QuantizedKVCache.init(num_layers=2, batch=1, max_len=8, num_kv_heads=1,
+                                        head_dim=8)):
+        swapped = with_kernel_attention(to_layer_tuples(cache))
+        assert type(swapped) is not type(cache) and isinstance(swapped, type(cache))
+        state = jaxgen.core.state.DecodeState.__new__  # noqa: F841  (the state is any .replace)
+
+        class Held:
+            def __init__(self, cache):
+                self.cache = cache
+
+            def replace(self, cache):
+                return Held(cache)
+
+        stacked, kept = finish(Held(swapped)).cache, finish(Held(swapped), stack=False).cache
+        assert type(stacked) is type(cache) and not holds_layer_tuples(stacked)
+        assert type(kept) is type(cache) and holds_layer_tuples(kept)
+
+
+def test_kernels_off_keeps_xla_attention(monkeypatch):
+    from jaxgen.backends.cpu.kernel_attention import with_kernel_attention
+    from jaxgen.cache import KVCache
+    from jaxgen.cache.layer_forms import to_layer_tuples
+
+    cache = to_layer_tuples(KVCache.init(num_layers=1, batch=1, max_len=8, num_kv_heads=1,
+                                         head_dim=8))
+    monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
+    assert type(with_kernel_attention(cache)) is KVCache
