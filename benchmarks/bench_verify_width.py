@@ -3,8 +3,8 @@
 SmolLM2-135M-Instruct, fp32, a cache already holding `--position` tokens. For each width S
 the forward of S tokens (logits at every one, as speculative and tree verification need) is
 timed as a median of `--repeats`, in jaxgen's portable program (stacked layers, the path a
-GPU / TPU runs), in the CPU layout `layout="auto"` picks for S rows (per-layer weights, the
-native few-row kernels where they are built), and in llama.cpp (an F32 GGUF written from
+GPU / TPU runs), in the CPU layout `layout="auto"` picks for S rows (per-layer weights and
+cache, the native few-row and decode-attention kernels where they are built), and in llama.cpp (an F32 GGUF written from
 the same weights, 2 threads) when llama-cpp-python is installed. Ratios are to each
 system's own S = 1; the host line names the CPU's vector flags and the bandwidth probe.
 
@@ -23,6 +23,7 @@ from report_table import table_header, table_row
 
 import jaxgen
 from jaxgen.backends.cpu import layer_split
+from jaxgen.backends.cpu.kernel_attention import with_kernel_attention
 from jaxgen.cache.layer_forms import to_layer_tuples
 from jaxgen.models import DEFAULT_MODEL
 
@@ -34,7 +35,8 @@ def jaxgen_forward_seconds(model, params, width: int, position: int, layout: str
         params = layer_split.for_decoding(model, params, rows=width, layout="auto")
     cache = model.init_cache(1, position + width + 16)
     if isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple)):
-        cache = to_layer_tuples(cache)  # per-layer weights run a per-layer cache
+        # per-layer weights run a per-layer cache, attending through the native kernel
+        cache = with_kernel_attention(to_layer_tuples(cache))
     forward = jax.jit(lambda p, t, pos, c: model(p, t, pos, c).logits)
     tokens = jnp.zeros((1, width), jnp.int32)  # [1, S]
     positions = jnp.arange(position, position + width, dtype=jnp.int32)[None]  # [1, S]

@@ -42,7 +42,8 @@ def kernel_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_BUILDS", {})
     monkeypatch.setattr(build, "_VERSIONS", {})
     monkeypatch.setattr(build, "_TEMPORARY", [])
-    for name in ("_registered_target", "_registered_quantized_target"):
+    for name in ("_registered_target", "_registered_quantized_target",
+                 "_registered_attention_targets"):
         monkeypatch.setattr(build, name, functools.cache(getattr(build, name).__wrapped__))
     monkeypatch.setattr(build, "SPLIT_MIN_BYTES", 1)
     yield tmp_path / "kernels"
@@ -80,8 +81,8 @@ def finish_builds() -> None:
 
 
 @pytest.mark.parametrize("weights, sources", [
-    ("int8", ["few_rows.cc", "quantized_rows.cc"]),
-    ("float", ["few_rows.cc"]),
+    ("int8", ["decode_attention.cc", "few_rows.cc", "quantized_rows.cc"]),
+    ("float", ["decode_attention.cc", "few_rows.cc"]),
 ])
 def test_loading_starts_the_builds_the_weights_need(monkeypatch, tmp_path, kernel_dir,
                                                     tiny_folder, weights, sources):
@@ -99,8 +100,9 @@ def test_a_second_load_with_the_libraries_cached_starts_no_build(monkeypatch, tm
     log = fake_compiler(monkeypatch, tmp_path)
     load(tiny_folder, weights="int8")
     finish_builds()
-    assert all(build.library_ready(s) for s in (build.SOURCE, build.QUANTIZED_SOURCE))
-    monkeypatch.setattr(build, "_BUILDS", {})  # a later process: the cache holds both
+    assert all(build.library_ready(s) for s in (build.SOURCE, build.QUANTIZED_SOURCE,
+                                                build.ATTENTION_SOURCE))
+    monkeypatch.setattr(build, "_BUILDS", {})  # a later process: the cache holds all three
     monkeypatch.setattr(build, "_VERSIONS", {})
     log.unlink()
     load(tiny_folder, weights="int8")
@@ -134,7 +136,7 @@ def test_a_failing_background_build_falls_back_to_xla_with_one_warning(monkeypat
                                                                         tiny_folder):
     fake_compiler(monkeypatch, tmp_path, mode="fail")
     model, params, _ = load(tiny_folder, weights="int8")
-    assert sorted(build._BUILDS) == ["few_rows.cc", "quantized_rows.cc"]
+    assert sorted(build._BUILDS) == ["decode_attention.cc", "few_rows.cc", "quantized_rows.cc"]
     jax.clear_caches()  # no program traced while another test's kernel was registered
     cfg = jaxgen.GenerationConfig(max_new_tokens=3)
     with warnings.catch_warnings(record=True) as caught:
@@ -159,19 +161,21 @@ def test_the_first_use_waits_no_longer_than_the_deadline(monkeypatch, tmp_path, 
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("JAXGEN_KERNEL_BUILD_TIMEOUT", "1")
     load(tiny_folder, weights="int8")
-    assert sorted(build._BUILDS) == ["few_rows.cc", "quantized_rows.cc"]
+    assert sorted(build._BUILDS) == ["decode_attention.cc", "few_rows.cc", "quantized_rows.cc"]
     with pytest.warns(RuntimeWarning, match="few-row kernel is not available.*did not finish"):
         assert build.quantized_target() is None
     finish_builds()
     assert _wait_gone([int(line) for line in pids.read_text().split()])
 
 
-def test_the_ahead_of_time_step_builds_both_libraries(monkeypatch, tmp_path, kernel_dir,
+def test_the_ahead_of_time_step_builds_every_library(monkeypatch, tmp_path, kernel_dir,
                                                       capsys):
     """`python -m jaxgen.backends.cpu.kernels.build` (README, Install): afterwards a load
     starts nothing."""
     log = fake_compiler(monkeypatch, tmp_path)
     assert build.main(["build"]) == 0
-    assert compiled_sources(log) == ["few_rows.cc", "quantized_rows.cc"]
-    assert "quantized_rows.cc: " + str(kernel_dir) in capsys.readouterr().out
+    assert compiled_sources(log) == ["decode_attention.cc", "few_rows.cc", "quantized_rows.cc"]
+    printed = capsys.readouterr().out
+    assert all(f"{name}: {kernel_dir}" in printed
+               for name in ("few_rows.cc", "quantized_rows.cc", "decode_attention.cc"))
     assert build.start_builds_for("gguf", 1 << 30) == []

@@ -1,6 +1,6 @@
 """Compile the native kernels (`few_rows.cc`; `quantized_rows.cc`, a library of its own built
-on the first quantized product) with the system C++ compiler on first use and register them
-with XLA.
+on the first quantized product; `decode_attention.cc`, another, on the first attention through
+it) with the system C++ compiler on first use and register them with XLA.
 
 The shared library lands in a private folder ($JAXGEN_KERNEL_DIR, else
 $XDG_CACHE_HOME/jaxgen/kernels, else ~/.cache/jaxgen/kernels; 0700, checked with every folder
@@ -21,10 +21,10 @@ threads, each under its own deadline, unless the library is in the kernel folder
 (`library_ready`: one `--version` run, no build); the first use then waits at most what is
 left of that deadline, and a build that failed or ran out of time gives XLA's own products.
 `start_builds_for(weights, file_bytes)` is what a model load starts (`jaxgen.models.load`
-announces it; runtime.backend passes it on): the few-row kernel, and the quantized one for
-int8 / GGUF weights, when the weight files are large enough for "auto" to lay the weights out.
-The CLI also starts the few-row build before it loads a model. `python -m
-jaxgen.backends.cpu.kernels.build` builds both libraries ahead of time.
+announces it; runtime.backend passes it on): the few-row and decode-attention kernels, and the
+quantized one for int8 / GGUF weights, when the weight files are large enough for "auto" to
+lay the weights out. The CLI also starts the few-row build before it loads a model. `python -m
+jaxgen.backends.cpu.kernels.build` builds the three libraries ahead of time.
 
 $JAXGEN_CPU_KERNELS (`parse_kernel_setting`): auto / on / 1 / true / yes (or unset) build and
 use the kernels, off / 0 / false / no never build; anything else is a ValueError naming the
@@ -363,7 +363,8 @@ def start_background_build(sources=None) -> list[str]:
 
 def start_builds_for(weights: str, file_bytes: int | None) -> list[str]:
     """The builds a model load may need, started in the background (start_background_build):
-    the few-row kernel's, and the quantized kernel's for `weights` "int8" / "gguf"; none when
+    the few-row and decode-attention kernels', and the quantized kernel's for `weights` "int8"
+    / "gguf"; none when
     `file_bytes` (the weight files' size) is unknown or too small for "auto" to lay the
     weights out (WEIGHT_FILE_EXPANSION x file_bytes < SPLIT_MIN_BYTES: a first use with
     layout="split" builds then). Returns the names of the sources whose build started."""
@@ -466,12 +467,17 @@ def _registered_attention_targets() -> dict[str, str] | None:
     return {"dense": dense, "codes": codes}
 
 
+def _attention_target(name: str) -> str | None:
+    """`name` when the decode-attention library is registered, else None."""
+    return name if attention_targets() is not None else None
+
+
 def register_targets(names) -> bool:
     """Registers the named FFI targets (NATIVE_TARGETS), building what is missing; True when
     every one is registered, False when one is not available (or not a target of these)."""
-    attention = lambda name: (attention_targets() or {}) and name  # noqa: E731
     registered = {TARGET_NAME: ffi_target, QUANTIZED_TARGET_NAME: quantized_target,
-                  **{name: functools.partial(attention, name) for name in ATTENTION_TARGETS}}
+                  **{name: functools.partial(_attention_target, name)
+                     for name in ATTENTION_TARGETS}}
     return all(name in registered and registered[name]() == name for name in names)
 
 
@@ -482,7 +488,7 @@ def group_rows() -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m jaxgen.backends.cpu.kernels.build`: builds both libraries into the kernel
+    """`python -m jaxgen.backends.cpu.kernels.build`: builds the three libraries into the kernel
     folder now (a later run loads them), prints where; exit status 1 when one fails."""
     argv = sys.argv[1:] if argv is None else argv
     if argv not in ([], ["build"]):
