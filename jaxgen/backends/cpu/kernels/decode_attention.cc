@@ -11,7 +11,7 @@
 //
 // XLA:CPU runs the batched products of one query row against every key slot of the cache
 // (allocated for the whole generation) at about half the bandwidth probe's rate; this reads
-// only the visible keys, once, split into chunks of KEY_CHUNK keys that XLA's thread pool
+// only the visible keys, once, split into chunks (units of work) that XLA's thread pool
 // shares; each chunk's softmax is partial (its own max and sum) and the chunks are merged at
 // the end. int8 codes are widened in registers, never written out as floats.
 #include <immintrin.h>
@@ -30,7 +30,9 @@ using namespace jaxgen_rows;
 
 typedef int32_t i8x __attribute__((vector_size(32)));   // 8 int32 lanes
 
-constexpr int64_t KEY_CHUNK = 256;  // keys one unit of work covers
+constexpr int64_t MIN_CHUNK = 256;    // keys a unit of work covers at least,
+constexpr int64_t MAX_CHUNK = 8192;   // at most (its scores stay in cache),
+constexpr int64_t TARGET_UNITS = 64;  // and enough units for the pool where keys allow
 constexpr int64_t SLAB = 64;        // value channels one pass keeps in registers
 constexpr int64_t MAX_ROWS = 64;    // query rows per KV head (decode_attention.MAX_ROWS)
 
@@ -69,7 +71,7 @@ struct Problem {
   const int32_t* pos;
   int64_t window;
   float scale;
-  int64_t chunks;                    // key chunks per (row, head)
+  int64_t chunks, chunk;             // key chunks per (row, head), keys a chunk
   float* partial_max;                // [units, R]
   float* partial_sum;                // [units, R]
   float* partial_acc;                // [units, R, D]
@@ -228,7 +230,7 @@ inline float row_weights(float* s, int64_t count, int64_t a, int64_t z, float* t
 void unit(const Problem& p, int64_t index) {
   const int64_t c = index % p.chunks, bh = index / p.chunks, b = bh / p.heads;
   const int64_t R = p.rows, D = p.dim;
-  const int64_t first = c * KEY_CHUNK, last = std::min(first + KEY_CHUNK, p.keys);
+  const int64_t C = p.chunk, first = c * C, last = std::min(first + C, p.keys);
   float* maxes = p.partial_max + index * R;
   float* sums = p.partial_sum + index * R;
   float* accs = p.partial_acc + index * R * D;
@@ -249,8 +251,8 @@ void unit(const Problem& p, int64_t index) {
   }
   if (span_lo >= span_hi) return;
   thread_local std::vector<float> scratch;
-  scratch.resize(R * KEY_CHUNK);
-  float* weights = scratch.data();                 // [R, KEY_CHUNK]: key span_lo + i at i
+  scratch.resize(R * C);
+  float* weights = scratch.data();                 // [R, C]: key span_lo + i at i
   const float* q = p.q + bh * R * D;
   const int64_t head = bh * p.keys;                // row index of this head's key 0
   const int64_t count = span_hi - span_lo, quarter = count / 4;
@@ -267,26 +269,26 @@ void unit(const Problem& p, int64_t index) {
       else
         codes_dot4(q + r * D, p.k_codes + row * D, p.k_scale + row * p.key_groups, step,
                    p.key_groups, D, dots);
-      float* scores = weights + r * KEY_CHUNK + i;
+      float* scores = weights + r * C + i;
       for (int t = 0; t < (streams ? 4 : 1); ++t) scores[t * quarter] = p.scale * dots[t];
     }
   }
   for (int64_t r = 0; r < R; ++r)
     if (lo[r] < hi[r])
-      maxes[r] = row_weights(weights + r * KEY_CHUNK, count, lo[r] - span_lo, hi[r] - span_lo,
+      maxes[r] = row_weights(weights + r * C, count, lo[r] - span_lo, hi[r] - span_lo,
                              &sums[r]);
   for (int64_t r = 0; r < R; ++r) {                // values: the same streams
     if (lo[r] >= hi[r]) continue;
     for (int64_t d = 0; d < D; d += SLAB)
       switch (std::min<int64_t>(D - d, SLAB) / 8) {
-        case 8: value_slab<8>(p, head + span_lo, count, weights + r * KEY_CHUNK, d, accs + r * D); break;
-        case 7: value_slab<7>(p, head + span_lo, count, weights + r * KEY_CHUNK, d, accs + r * D); break;
-        case 6: value_slab<6>(p, head + span_lo, count, weights + r * KEY_CHUNK, d, accs + r * D); break;
-        case 5: value_slab<5>(p, head + span_lo, count, weights + r * KEY_CHUNK, d, accs + r * D); break;
-        case 4: value_slab<4>(p, head + span_lo, count, weights + r * KEY_CHUNK, d, accs + r * D); break;
-        case 3: value_slab<3>(p, head + span_lo, count, weights + r * KEY_CHUNK, d, accs + r * D); break;
-        case 2: value_slab<2>(p, head + span_lo, count, weights + r * KEY_CHUNK, d, accs + r * D); break;
-        default: value_slab<1>(p, head + span_lo, count, weights + r * KEY_CHUNK, d, accs + r * D); break;
+        case 8: value_slab<8>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 7: value_slab<7>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 6: value_slab<6>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 5: value_slab<5>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 4: value_slab<4>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 3: value_slab<3>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 2: value_slab<2>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        default: value_slab<1>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
       }
   }
 }
@@ -321,7 +323,14 @@ ffi::Error run(ffi::ThreadPool& pool, Problem p, float* out) {
   int64_t reach = 0;                               // keys any query sees: [0, reach)
   for (int64_t i = 0; i < p.batch * p.seq; ++i)
     reach = std::max<int64_t>(reach, std::min<int64_t>(p.pos[i] + 1, p.keys));
-  p.chunks = std::max<int64_t>((reach + KEY_CHUNK - 1) / KEY_CHUNK, 1);
+  // Chunks a head: TARGET_UNITS units in all, within [MIN_CHUNK, MAX_CHUNK] keys each (the
+  // partial sums are chunks x rows x head_dim floats a head).
+  const int64_t heads = p.batch * p.heads;
+  int64_t chunks = std::min((reach + MIN_CHUNK - 1) / MIN_CHUNK, (TARGET_UNITS + heads - 1) / heads);
+  chunks = std::max({chunks, (reach + MAX_CHUNK - 1) / MAX_CHUNK, int64_t{1}});
+  p.chunk = std::max<int64_t>((reach + chunks - 1) / chunks, 1);
+  p.chunks = (reach + p.chunk - 1) / p.chunk;
+  if (p.chunks < 1) p.chunks = 1;
   const int64_t units = p.batch * p.heads * p.chunks;
   std::vector<float> partial(units * p.rows * 2);
   std::vector<v8> accumulators(units * p.rows * p.dim / 8);  // 32-byte aligned
