@@ -35,9 +35,11 @@ def _heads(rows, q):  # the inverse of _rows
 
 
 # (batch, queries, heads, kv heads, keys, head_dim, window): one and several queries, grouped
-# heads, key counts off the 256-key chunks and the 4-stream split, windows inside a chunk
+# heads, key counts off the chunk sizes and the 4-stream split, windows inside a chunk, one
+# head in 64 chunks, 64 heads in chunks of the largest size
 CASES = [(1, 1, 9, 3, 700, 64, None), (2, 4, 4, 2, 1000, 32, None), (1, 3, 2, 1, 600, 8, 100),
-         (3, 1, 8, 8, 257, 64, None), (2, 16, 6, 2, 300, 16, 7), (1, 2, 1, 1, 5, 128, None)]
+         (3, 1, 8, 8, 257, 64, None), (2, 16, 6, 2, 300, 16, 7), (1, 2, 1, 1, 5, 128, None),
+         (1, 1, 1, 1, 20000, 8, None), (1, 1, 64, 64, 9000, 8, 8500)]
 
 
 @pytest.mark.parametrize("batch, seq, heads, kv_heads, keys, dim, window", CASES)
