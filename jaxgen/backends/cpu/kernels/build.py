@@ -406,19 +406,28 @@ def ffi_target() -> str | None:
 _LOADED: dict = {}  # source name -> the library registered in this process (group_rows reads it)
 
 
+def _register(source: Path, targets: dict[str, str], kernel: str, fallback: str) -> bool:
+    """Loads `source`'s library and registers its handlers ({FFI target: symbol}) for the
+    CPU; False, with a warning naming the `kernel` and the `fallback` that runs instead, when
+    it cannot be built or loaded."""
+    try:
+        library = _load_library(source)
+        for name, symbol in targets.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
+        _LOADED[source.name] = library
+    except (RuntimeError, AttributeError, OSError) as error:
+        warnings.warn(f"jaxgen: the CPU {kernel} is not available ({error}); {fallback} (set "
+                      f"{SETTING_VARIABLE}=off to silence this)", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
 @functools.cache
 def _registered_target() -> str | None:
-    try:
-        library = _load_library()
-        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(getattr(library, HANDLER_SYMBOL)),
-                                    platform="cpu")
-        _LOADED[SOURCE.name] = library
-    except (RuntimeError, AttributeError, OSError) as error:
-        warnings.warn(f"jaxgen: the CPU few-row kernel is not available ({error}); decoding "
-                      f"runs XLA's own products (set {SETTING_VARIABLE}=off to silence this)",
-                      RuntimeWarning, stacklevel=2)
-        return None
-    return TARGET_NAME
+    registered = _register(SOURCE, {TARGET_NAME: HANDLER_SYMBOL}, "few-row kernel",
+                           "decoding runs XLA's own products")
+    return TARGET_NAME if registered else None
 
 
 def quantized_target() -> str | None:
@@ -429,18 +438,9 @@ def quantized_target() -> str | None:
 
 @functools.cache
 def _registered_quantized_target() -> str | None:
-    try:
-        library = _load_library(QUANTIZED_SOURCE)
-        jax.ffi.register_ffi_target(
-            QUANTIZED_TARGET_NAME, jax.ffi.pycapsule(getattr(library, QUANTIZED_HANDLER_SYMBOL)),
-            platform="cpu")
-        _LOADED[QUANTIZED_SOURCE.name] = library
-    except (RuntimeError, AttributeError, OSError) as error:
-        warnings.warn(f"jaxgen: the CPU quantized kernel is not available ({error}); quantized "
-                      f"weights run XLA's own products (set {SETTING_VARIABLE}=off to silence "
-                      f"this)", RuntimeWarning, stacklevel=2)
-        return None
-    return QUANTIZED_TARGET_NAME
+    registered = _register(QUANTIZED_SOURCE, {QUANTIZED_TARGET_NAME: QUANTIZED_HANDLER_SYMBOL},
+                           "quantized kernel", "quantized weights run XLA's own products")
+    return QUANTIZED_TARGET_NAME if registered else None
 
 
 def attention_targets() -> dict[str, str] | None:
@@ -452,16 +452,8 @@ def attention_targets() -> dict[str, str] | None:
 
 @functools.cache
 def _registered_attention_targets() -> dict[str, str] | None:
-    try:
-        library = _load_library(ATTENTION_SOURCE)
-        for name, symbol in ATTENTION_TARGETS.items():
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
-                                        platform="cpu")
-        _LOADED[ATTENTION_SOURCE.name] = library
-    except (RuntimeError, AttributeError, OSError) as error:
-        warnings.warn(f"jaxgen: the CPU decode-attention kernel is not available ({error}); "
-                      f"attention runs XLA's own products (set {SETTING_VARIABLE}=off to "
-                      f"silence this)", RuntimeWarning, stacklevel=2)
+    if not _register(ATTENTION_SOURCE, ATTENTION_TARGETS, "decode-attention kernel",
+                     "attention runs XLA's own products"):
         return None
     dense, codes = ATTENTION_TARGETS
     return {"dense": dense, "codes": codes}

@@ -14,13 +14,15 @@
 // only the visible keys, once, split into chunks (units of work) that XLA's thread pool
 // shares; each chunk's softmax is partial (its own max and sum) and the chunks are merged at
 // the end. int8 codes are widened in registers, never written out as floats.
-#include <immintrin.h>
-
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "few_rows.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
