@@ -178,3 +178,13 @@ def test_kernels_off_keeps_xla_attention(monkeypatch):
                                          head_dim=8))
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
     assert type(with_kernel_attention(cache)) is KVCache
+
+
+def test_positions_past_the_cache_see_every_key():
+    q, k, v = _random((1, 1, 2, 8), 16), _random((1, 2, 40, 8), 17), _random((1, 2, 40, 8), 18)
+    block = KeyBlock(k=k, v=v, positions=jnp.arange(40, dtype=jnp.int32))
+    for position in (39, 1000, 2**31 - 1):
+        positions = jnp.array([[position]], jnp.int32)
+        got = _heads(kernel.decode_attention(_rows(q, 2), k, v, positions, scale=0.5), q)
+        want = attend_blocks(q, positions, [block], scale=0.5)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

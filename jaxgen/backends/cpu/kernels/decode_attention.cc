@@ -324,7 +324,7 @@ ffi::Error run(ffi::ThreadPool& pool, Problem p, float* out) {
         "decode_attention: head_dim a multiple of 8 and at most 64 query rows per head");
   int64_t reach = 0;                               // keys any query sees: [0, reach)
   for (int64_t i = 0; i < p.batch * p.seq; ++i)
-    reach = std::max<int64_t>(reach, std::min<int64_t>(p.pos[i] + 1, p.keys));
+    reach = std::max<int64_t>(reach, std::min<int64_t>(int64_t{p.pos[i]} + 1, p.keys));
   // Chunks a head: TARGET_UNITS units in all, within [MIN_CHUNK, MAX_CHUNK] keys each (the
   // partial sums are chunks x rows x head_dim floats a head).
   const int64_t heads = p.batch * p.heads;
