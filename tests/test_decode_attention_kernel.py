@@ -7,6 +7,8 @@ import pytest
 
 from jaxgen.backends.cpu.kernels import decode_attention as kernel
 from jaxgen.cache.attention import KeyBlock, attend_blocks
+from jaxgen.cache.attention import heads_out as _heads
+from jaxgen.cache.attention import query_rows as _rows
 from jaxgen.cache.int8 import quantize
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
@@ -20,18 +22,6 @@ def _built(monkeypatch):
 
 def _random(shape, seed):
     return jnp.asarray(np.random.RandomState(seed).standard_normal(shape), jnp.float32)
-
-
-def _rows(q, kv_heads):  # [B, S, H, D] -> [B, Hkv, G*S, D], group-major
-    batch, seq, heads, dim = q.shape
-    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
-    return jnp.transpose(grouped, (0, 2, 3, 1, 4)).reshape(batch, kv_heads, -1, dim)
-
-
-def _heads(rows, q):  # the inverse of _rows
-    batch, seq, heads, dim = q.shape
-    out = rows.reshape(batch, rows.shape[1], heads // rows.shape[1], seq, dim)
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(q.shape)
 
 
 # (batch, queries, heads, kv heads, keys, head_dim, window): one and several queries, grouped

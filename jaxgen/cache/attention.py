@@ -190,23 +190,36 @@ def attend_blocks(q: jax.Array, q_positions: jax.Array, blocks: Sequence[KeyBloc
     tree_mask: bool [B, S, S], a token tree's ancestor mask over this forward's own slots
     (module docs); None: positions alone decide.
     """
-    batch, seq, num_heads, head_dim = q.shape
+    _, seq, num_heads, _ = q.shape  # [B, S, H, Dh]
     if len(blocks) == 1 and tree_mask is None and _skips_chunks(blocks[0], seq):
         return _attend_query_blocks(q, q_positions, blocks[0], scale, window, softcap)
     num_kv_heads = blocks[0].num_kv_heads
     group = num_heads // num_kv_heads
-    q_grouped = q.reshape(batch, seq, num_kv_heads, group, head_dim)  # [B, S, Hkv, G, Dh]
-    q_rows = jnp.transpose(q_grouped, (0, 2, 3, 1, 4)).reshape(
-        batch, num_kv_heads, group * seq, head_dim)  # [B, Hkv, G*S, Dh]
+    q_rows = query_rows(q, num_kv_heads)  # [B, Hkv, G*S, Dh]
     if any(_is_chunked(block) for block in blocks):
         out = _attend_partials(q_rows, q_positions, blocks, scale, window, group, softcap,
                                tree_mask)
     else:
         out = _attend_whole(q_rows, q_positions, blocks, scale, window, group, softcap,
                             tree_mask)
-    out = out.reshape(batch, num_kv_heads, group, seq, head_dim)  # [B, Hkv, G, S, Dh]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, num_heads, head_dim
-                                                       ).astype(q.dtype)
+    return heads_out(out, q)  # [B, S, H, Dh]
+
+
+def query_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """q [B, S, H, Dh] -> [B, Hkv, G*S, Dh]: each KV head's G query heads and S positions
+    folded into rows, group-major (row g * S + s)."""
+    batch, seq, heads, dim = q.shape
+    grouped = q.reshape(batch, seq, num_kv_heads, heads // num_kv_heads, dim)  # [B,S,Hkv,G,Dh]
+    return jnp.transpose(grouped, (0, 2, 3, 1, 4)).reshape(
+        batch, num_kv_heads, heads // num_kv_heads * seq, dim)  # [B, Hkv, G*S, Dh]
+
+
+def heads_out(rows: jax.Array, q: jax.Array) -> jax.Array:
+    """The inverse of `query_rows`: [B, Hkv, G*S, Dh] -> [B, S, H, Dh] in q's dtype."""
+    batch, seq, heads, dim = q.shape
+    kv_heads = rows.shape[1]
+    out = rows.reshape(batch, kv_heads, heads // kv_heads, seq, dim)  # [B, Hkv, G, S, Dh]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, heads, dim).astype(q.dtype)
 
 
 KEY_CHUNK = 1024  # keys per loop step of a long quantized block (chunked from 2x that)

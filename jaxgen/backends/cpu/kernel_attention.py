@@ -32,25 +32,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.backends.cpu.kernels import decode_attention as kernel
+from jaxgen.cache.attention import heads_out, query_rows
 from jaxgen.cache.dense import DynamicKVCache, KVCache
 from jaxgen.cache.int8 import QuantizedKVCache
 from jaxgen.cache.layer_forms import holds_layer_tuples
-
-
-def _query_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
-    """q [B, S, H, Dh] -> [B, Hkv, G*S, Dh] (group-major rows, as the kernel reads them)."""
-    batch, seq, heads, dim = q.shape
-    grouped = q.reshape(batch, seq, num_kv_heads, heads // num_kv_heads, dim)  # [B,S,Hkv,G,Dh]
-    return jnp.transpose(grouped, (0, 2, 3, 1, 4)).reshape(
-        batch, num_kv_heads, heads // num_kv_heads * seq, dim)  # [B, Hkv, G*S, Dh]
-
-
-def _heads_out(rows: jax.Array, q: jax.Array) -> jax.Array:
-    """The kernel's [B, Hkv, G*S, Dh] -> [B, S, H, Dh] in q's dtype."""
-    batch, seq, heads, dim = q.shape
-    kv_heads = rows.shape[1]
-    out = rows.reshape(batch, kv_heads, heads // kv_heads, seq, dim)  # [B, Hkv, G, S, Dh]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq, heads, dim).astype(q.dtype)
 
 
 def _kernel_runs(q: jax.Array, num_kv_heads: int, softcap, tree_mask, groups=(1, 1)) -> bool:
@@ -73,9 +58,9 @@ class _DenseKernelAttention:
             tree = {} if tree_mask is None else {"tree_mask": tree_mask}
             return super().attend(layer, q, q_positions, scale=scale, window=window,
                                   softcap=softcap, **tree)
-        rows = kernel.decode_attention(_query_rows(q, k_layer.shape[1]), k_layer, v_layer,
+        rows = kernel.decode_attention(query_rows(q, k_layer.shape[1]), k_layer, v_layer,
                                        q_positions, scale=scale, window=window)  # [B,Hkv,R,Dh]
-        return _heads_out(rows, q)
+        return heads_out(rows, q)
 
 
 class _CodesKernelAttention:
@@ -89,7 +74,7 @@ class _CodesKernelAttention:
                                  (self.k_scale[layer].shape[-1], self.v_scale[layer].shape[-1])))
 
     def _kernel_attend(self, layer, q, q_positions, scale: float, window):
-        rows = _query_rows(q, self.kq[layer].shape[1]).astype(jnp.float32)  # [B, Hkv, R, Dh]
+        rows = query_rows(q, self.kq[layer].shape[1]).astype(jnp.float32)  # [B, Hkv, R, Dh]
         rotation = self.rotation
         if rotation is not None:
             rows = rows @ rotation  # [B, Hkv, R, Dh]
@@ -98,7 +83,7 @@ class _CodesKernelAttention:
                                       v_scale=self.v_scale[layer])  # [B, Hkv, R, Dh]
         if rotation is not None:
             out = out @ rotation.T  # [B, Hkv, R, Dh]
-        return _heads_out(out, q)
+        return heads_out(out, q)
 
     def attend(self, layer, q, q_positions, *, scale: float, window=None, softcap=None):
         if not self._kernel_takes(layer, q, softcap):
@@ -121,13 +106,17 @@ _MIXINS = {KVCache: _DenseKernelAttention, DynamicKVCache: _DenseKernelAttention
 
 @functools.cache
 def _kernel_class(base: type) -> type:
-    """base's subclass with the kernel's attention (a registered dataclass PyTree too)."""
-    cls = type(f"Kernel{base.__name__}", (_MIXINS[base], base), {"__module__": __name__})
+    """base's subclass with the kernel's attention (a registered dataclass PyTree too);
+    `caller_class` names base."""
+    cls = type(f"Kernel{base.__name__}", (_MIXINS[base], base),
+               {"__module__": __name__, "caller_class": base})
     cls = dataclasses.dataclass(frozen=True)(cls)
     return jax.tree_util.register_dataclass(cls)
 
 
-_BASES = {}  # kernel class -> the cache class it extends
+def _as_class(cache, cls):
+    """The cache's fields in a cache of class cls (no array work)."""
+    return cls(**{field.name: getattr(cache, field.name) for field in dataclasses.fields(cache)})
 
 
 def with_kernel_attention(cache):
@@ -136,17 +125,13 @@ def with_kernel_attention(cache):
     base = type(cache)
     if base not in _MIXINS or not holds_layer_tuples(cache) or not kernel.available():
         return cache
-    cls = _kernel_class(base)
-    _BASES[cls] = base
-    return cls(**{field.name: getattr(cache, field.name) for field in dataclasses.fields(cache)})
+    return _as_class(cache, _kernel_class(base))
 
 
 def without_kernel_attention(cache):
     """The cache in the class it had before `with_kernel_attention` (others unchanged)."""
-    base = _BASES.get(type(cache))
-    if base is None:
-        return cache
-    return base(**{field.name: getattr(cache, field.name) for field in dataclasses.fields(cache)})
+    base = getattr(type(cache), "caller_class", None)
+    return cache if base is None else _as_class(cache, base)
 
 
 __all__ = ["with_kernel_attention", "without_kernel_attention"]
