@@ -57,10 +57,30 @@ def test_int8_kernel_equals_the_portable_attention_over_codes(batch, seq, heads,
     positions = jnp.full((batch, 1), keys - seq, jnp.int32) + jnp.arange(seq)  # [B, S]
     block = KeyBlock(k=kq, v=vq, positions=jnp.arange(keys, dtype=jnp.int32), k_scale=ks,
                      v_scale=vs)
-    want = attend_blocks(q, positions, [block], scale=0.25, window=window)
+    # the query as the kernel sees it (int16 codes against groups of 16 channels on AVX2)
+    seen = _heads(kernel.rounded_queries(_rows(q, kv_heads), groups[0]), q)  # [B, S, H, D]
+    want = attend_blocks(seen, positions, [block], scale=0.25, window=window)
     got = _heads(kernel.decode_attention(_rows(q, kv_heads), kq, vq, positions, scale=0.25,
                                          window=window, k_scale=ks, v_scale=vs), q)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    # and the rounding is far below the keys' own: within their error of the float query's
+    exact = attend_blocks(q, positions, [block], scale=0.25, window=window)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-4)
+
+
+def test_int8_kernel_rounds_queries_to_int16_only_where_it_says():
+    # a query with one channel far larger than the rest: int16 codes of it lose the small ones
+    q = jnp.zeros((1, 1, 1, 16)).at[..., 0].set(1e4).at[..., 1].set(0.1)  # [B, H, R, D]
+    k = jnp.zeros((1, 1, 2, 16)).at[0, 0, 1, 1].set(1.0)  # key 1 reacts to channel 1 only
+    v = jnp.zeros((1, 1, 2, 16)).at[0, 0, 1, 0].set(1.0)
+    kq, ks = quantize(k, 8, 1, jnp.float32)
+    vq, vs = quantize(v, 8, 1, jnp.float32)
+    out = kernel.decode_attention(q, kq, vq, jnp.array([[1]]), scale=100.0, k_scale=ks,
+                                  v_scale=vs)
+    # float query: score 10 for key 1 (weight ~1); int16 codes: 0.1 rounds to 0 (weight 1/2)
+    want = 0.5 if kernel.query_bits() == 16 else 1.0
+    assert abs(float(out[0, 0, 0, 0]) - want) < 1e-3
+    assert (kernel.rounded_queries(q, 1)[..., 1] == 0.0).all() == (kernel.query_bits() == 16)
 
 
 def test_a_query_that_sees_no_key_gets_zeros_and_others_are_unaffected():

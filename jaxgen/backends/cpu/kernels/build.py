@@ -403,7 +403,7 @@ def ffi_target() -> str | None:
     return None if kernel_setting() == "off" else _registered_target()
 
 
-_LOADED: dict = {}  # source name -> the library registered in this process (group_rows reads it)
+_LOADED: dict = {}  # source name -> the library registered in this process (its reports)
 
 
 def _register(source: Path, targets: dict[str, str], kernel: str, fallback: str) -> bool:
@@ -479,6 +479,14 @@ def group_rows() -> int:
     return 0 if ffi_target() is None else int(_LOADED[SOURCE.name].JaxgenFewRowsGroupRows())
 
 
+def attention_query_bits() -> int:
+    """Bits of the integer codes the decode-attention kernel rounds a query row to against int8
+    keys (16 on an AVX2 build, 0: float queries); 0 when the kernel is not available."""
+    if attention_targets() is None:
+        return 0
+    return int(_LOADED[ATTENTION_SOURCE.name].JaxgenDecodeAttentionQueryBits())
+
+
 def main(argv=None) -> int:
     """`python -m jaxgen.backends.cpu.kernels.build`: builds the three libraries into the kernel
     folder now (a later run loads them), prints where; exit status 1 when one fails."""
@@ -496,8 +504,8 @@ def main(argv=None) -> int:
     return status
 
 
-__all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_targets", "build_library", "build_timeout", "cache_dir",
-           "ffi_target", "group_rows", "kernel_folder", "kernel_setting", "parse_kernel_setting",
+__all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_query_bits", "attention_targets",
+           "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows", "kernel_folder", "kernel_setting", "parse_kernel_setting",
            "library_ready", "quantized_target", "register_targets", "start_background_build",
            "start_builds_for", "use_temporary_folder"]
 

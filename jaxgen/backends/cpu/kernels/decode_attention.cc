@@ -95,6 +95,20 @@ inline v8 widen(const int8_t* codes) {
 #endif
 }
 
+// The sums of 4 accumulators' lanes, as lanes 0..3 (three pairwise adds where AVX2 has
+// them, instead of four scalar reductions).
+inline void sum4(const v8* acc, float* out) {
+#ifdef __AVX2__
+  __m256 a, b, c, d;
+  std::memcpy(&a, &acc[0], sizeof(v8)), std::memcpy(&b, &acc[1], sizeof(v8));
+  std::memcpy(&c, &acc[2], sizeof(v8)), std::memcpy(&d, &acc[3], sizeof(v8));
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  for (int t = 0; t < 4; ++t) out[t] = sum_lanes(acc[t]);
+#endif
+}
+
 // The dots of a with the 4 rows of b (4 x dim floats, contiguous) into out[0..3].
 inline void dot4(const float* a, const float* b, int64_t dim, float* out, int64_t stride) {
   v8 acc[4] = {};
@@ -107,7 +121,7 @@ inline void dot4(const float* a, const float* b, int64_t dim, float* out, int64_
       acc[t] += x * y;
     }
   }
-  _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) out[t] = sum_lanes(acc[t]);
+  sum4(acc, out);
 }
 
 inline void add_scaled(float* acc, const float* row, float weight, int64_t dim) {
@@ -129,62 +143,176 @@ inline v8& aligned(float* at) {
 
 
 // The dots of q with 4 rows of int8 codes (rows step apart: codes step * dim, scales
-// step * groups) times their group scales, into out[0..3]. A group's products are summed
-// before its scale multiplies them, and codes are widened in registers, never stored.
+// step * groups) times their group scales, into out[0..3]. A group's products (WIDTH blocks
+// of 8 channels; 0: dim / groups, known only at run time) are summed before its scale
+// multiplies them, and codes are widened in registers, never stored.
+template <int WIDTH>
 inline void codes_dot4(const float* q, const int8_t* codes, const float* scales, int64_t step,
                        int64_t groups, int64_t dim, float* out) {
-  const int64_t width = dim / groups;
+  const int64_t blocks = WIDTH ? WIDTH : dim / groups / 8;
+  const int8_t* row[4] = {codes, codes + step * dim, codes + 2 * step * dim,
+                          codes + 3 * step * dim};
+  const float* scale[4] = {scales, scales + step * groups, scales + 2 * step * groups,
+                           scales + 3 * step * groups};
   v8 acc[4] = {};
   for (int64_t g = 0; g < groups; ++g) {
     v8 part[4] = {};
-    for (int64_t d = g * width; d < (g + 1) * width; d += 8) {
+    _Pragma("GCC unroll 8") for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t d = (g * blocks + b) * 8;
       v8 x;
       std::memcpy(&x, q + d, sizeof(v8));
-      _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t)
-        part[t] += x * widen(codes + t * step * dim + d);
+      _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) part[t] += x * widen(row[t] + d);
     }
-    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t)
-      acc[t] += part[t] * scales[t * step * groups + g];
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) acc[t] += part[t] * scale[t][g];
   }
-  _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) out[t] = sum_lanes(acc[t]);
+  sum4(acc, out);
 }
 
+#ifdef __AVX2__
+// A query row as int16 codes q16[d] = round(q[d] / unit), unit = max |q| / 32767; returns
+// unit (0 for a zero row), or -1 where q holds a NaN or an infinity (the float path serves it).
+inline float quantize_query(const float* q, int64_t dim, int16_t* q16) {
+  float high = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) high = std::max(high, std::fabs(q[d]));
+  if (!std::isfinite(high) || std::isnan(high)) return -1.0f;
+  if (high == 0.0f) {
+    std::fill(q16, q16 + dim, int16_t{0});
+    return 0.0f;
+  }
+  const float inverse = 32767.0f / high;
+  for (int64_t d = 0; d < dim; ++d) q16[d] = static_cast<int16_t>(std::lrint(q[d] * inverse));
+  return high / 32767.0f;
+}
+
+// codes_dot4 with the query as int16 codes (quantize_query): 16 channels a multiply-add of
+// int16 pairs into int32 lanes (one instruction, where widening codes to floats takes two
+// per 8 channels), one conversion to float a group of PAIRS x 16 channels (0: known at run
+// time). Exact in int32 for groups of up to 2^14 channels.
+template <int PAIRS>
+inline void codes_dot4_i16(const int16_t* q16, float unit, const int8_t* codes,
+                           const float* scales, int64_t step, int64_t groups, int64_t dim,
+                           float* out) {
+  const int64_t pairs = PAIRS ? PAIRS : dim / groups / 16;
+  const int8_t* row[4] = {codes, codes + step * dim, codes + 2 * step * dim,
+                          codes + 3 * step * dim};
+  const float* scale[4] = {scales, scales + step * groups, scales + 2 * step * groups,
+                           scales + 3 * step * groups};
+  v8 acc[4] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i part[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                       _mm256_setzero_si256()};
+    _Pragma("GCC unroll 8") for (int64_t b = 0; b < pairs; ++b) {
+      const int64_t d = (g * pairs + b) * 16;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + d));
+      _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+        const __m256i k16 = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[t] + d)));
+        part[t] = _mm256_add_epi32(part[t], _mm256_madd_epi16(x, k16));
+      }
+    }
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+      const __m256 sums = _mm256_cvtepi32_ps(part[t]);
+      v8 f;
+      std::memcpy(&f, &sums, sizeof(v8));
+      acc[t] += f * scale[t][g];
+    }
+  }
+  sum4(acc, out);
+  _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) out[t] *= unit;
+}
+
+using CodesDot16 = void (*)(const int16_t*, float, const int8_t*, const float*, int64_t,
+                            int64_t, int64_t, float*);
+// The int16 dot for groups of `width` channels, or nullptr (not a multiple of 16).
+inline CodesDot16 codes_dot16_for(int64_t width) {
+  if (width % 16 != 0 || width > (int64_t{1} << 14)) return nullptr;
+  switch (width / 16) {
+    case 1: return codes_dot4_i16<1>;
+    case 2: return codes_dot4_i16<2>;
+    case 4: return codes_dot4_i16<4>;
+    default: return codes_dot4_i16<0>;
+  }
+}
+#endif
+
+// Which codes_dot4 serves a group of `blocks` blocks of 8 channels.
+using CodesDot = void (*)(const float*, const int8_t*, const float*, int64_t, int64_t, int64_t,
+                          float*);
+inline CodesDot codes_dot_for(int64_t blocks) {
+  switch (blocks) {
+    case 1: return codes_dot4<1>;
+    case 2: return codes_dot4<2>;
+    case 4: return codes_dot4<4>;
+    case 8: return codes_dot4<8>;
+    default: return codes_dot4<0>;
+  }
+}
+
+// One key's contribution to a slab of BLOCKS value blocks: sum[b] += weight * row[b], the
+// row float32 or int8 codes (GROUP blocks share a scale, the slab starting on a group's
+// first block; GROUP 0: scales[group[b]]).
+template <int BLOCKS, int GROUP>
+inline void add_value(v8* sum, const Problem& p, int64_t row, int64_t d0, float weight,
+                      const int64_t* group) {
+  if (p.v) {
+    const v8 w = v8{} + weight;
+    const float* values = p.v + row * p.dim + d0;
+    _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) {
+      v8 x;
+      std::memcpy(&x, values + 8 * b, sizeof(v8));
+      sum[b] += w * x;
+    }
+    return;
+  }
+  const int8_t* codes = p.v_codes + row * p.dim + d0;
+  const float* scales = p.v_scale + row * p.value_groups;
+  if constexpr (GROUP > 0) {
+    constexpr int GROUPS = (BLOCKS + GROUP - 1) / GROUP;
+    v8 w[GROUPS];
+    _Pragma("GCC unroll 8") for (int g = 0; g < GROUPS; ++g) w[g] = v8{} + weight * scales[group[0] + g];
+    _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) sum[b] += w[b / GROUP] * widen(codes + 8 * b);
+  } else {
+    _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b)
+      sum[b] += (v8{} + weight * scales[group[b]]) * widen(codes + 8 * b);
+  }
+}
 
 // Channels [d0, d0 + 8 BLOCKS) of one query row's weighted values over the `count` keys from
 // row `first` on (weights w[i]): the sum stays in registers while the keys stream past, 4
-// streams at once (the quarters of the span), and is added to acc[d0..] (32-byte aligned).
-template <int BLOCKS>
+// streams at once (the quarters of the span, then the last count % 4 keys), and is added to
+// acc[d0..] (32-byte aligned).
+template <int BLOCKS, int GROUP>
 void value_slab(const Problem& p, int64_t first, int64_t count, const float* w, int64_t d0,
                 float* acc) {
-  const int64_t D = p.dim, quarter = count / 4;
-  const int64_t width = p.v ? D : D / p.value_groups;
+  const int64_t quarter = count / 4;
+  const int64_t width = p.v ? p.dim : p.dim / p.value_groups;
   int64_t group[BLOCKS];                           // each block's scale group
   _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) group[b] = (d0 + 8 * b) / width;
   v8 sum[BLOCKS] = {};
-  for (int64_t i = 0; i < count; ++i) {
-    const bool streams = i < quarter;
-    if (!streams && i < 4 * quarter) continue;
-    const int streams_read = streams ? 4 : 1;
-    for (int t = 0; t < streams_read; ++t) {
-      const int64_t key = i + t * quarter, row = first + key;
-      const float weight = w[key];
-      if (p.v) {
-        const v8 scale = v8{} + weight;
-        const float* values = p.v + row * D + d0;
-        _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) {
-          v8 x;
-          std::memcpy(&x, values + 8 * b, sizeof(v8));
-          sum[b] += scale * x;
-        }
-      } else {
-        const int8_t* codes = p.v_codes + row * D + d0;
-        const float* scales = p.v_scale + row * p.value_groups;
-        _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b)
-          sum[b] += (v8{} + weight * scales[group[b]]) * widen(codes + 8 * b);
-      }
-    }
-  }
+  for (int64_t i = 0; i < quarter; ++i)
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t)
+      add_value<BLOCKS, GROUP>(sum, p, first + i + t * quarter, d0, w[i + t * quarter], group);
+  for (int64_t i = 4 * quarter; i < count; ++i)
+    add_value<BLOCKS, GROUP>(sum, p, first + i, d0, w[i], group);
   _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) aligned(acc + d0 + 8 * b) += sum[b];
+}
+
+// Slab [d0, d0 + 8 blocks) through the value_slab that fits: GROUP blocks a scale group
+// where every group starts on a slab block (8: one group over the slab), else the general one.
+template <int BLOCKS>
+void value_slab_for(const Problem& p, int64_t first, int64_t count, const float* w, int64_t d0,
+                    float* acc) {
+  const int64_t group_blocks = p.v ? 8 : p.dim / p.value_groups / 8;
+  if (group_blocks % 8 == 0 || group_blocks >= BLOCKS && (d0 / 8) % group_blocks == 0)
+    value_slab<BLOCKS, 8>(p, first, count, w, d0, acc);
+  else if (group_blocks == 4)
+    value_slab<BLOCKS, 4>(p, first, count, w, d0, acc);
+  else if (group_blocks == 2)
+    value_slab<BLOCKS, 2>(p, first, count, w, d0, acc);
+  else if (group_blocks == 1)
+    value_slab<BLOCKS, 1>(p, first, count, w, d0, acc);
+  else
+    value_slab<BLOCKS, 0>(p, first, count, w, d0, acc);
 }
 
 // Visible keys [lo, hi) of query row r of batch row b.
@@ -202,17 +330,25 @@ inline void visible(const Problem& p, int64_t b, int64_t r, int64_t* lo, int64_t
 // Softmax weights of one row over keys [a, z) of its scores s (in place, relative to their
 // max, which is returned with their sum in *total); s outside [a, z) set to 0.
 inline float row_weights(float* s, int64_t count, int64_t a, int64_t z, float* total) {
-  float high = s[a];
-  for (int64_t j = a + 1; j < z; ++j) high = std::max(high, s[j]);
-  float sum = 0.0f;
+  v8 highs = v8{} + s[a];                          // the max, 8 lanes at a time
   int64_t j = a;
   for (; j + 8 <= z; j += 8) {
     v8 x;
     std::memcpy(&x, s + j, sizeof(v8));
+    highs = x > highs ? x : highs;
+  }
+  float high = highs[0];
+  for (int lane = 1; lane < 8; ++lane) high = std::max(high, highs[lane]);
+  for (; j < z; ++j) high = std::max(high, s[j]);
+  v8 sums = {};
+  for (j = a; j + 8 <= z; j += 8) {
+    v8 x;
+    std::memcpy(&x, s + j, sizeof(v8));
     v8 e = exp_lanes(x - high);
     std::memcpy(s + j, &e, sizeof(v8));
-    sum += sum_lanes(e);
+    sums += e;
   }
+  float sum = sum_lanes(sums);
   if (j < z) {                                     // the tail: lanes past z are not read
     v8 x = v8{} - 1e30f;
     std::memcpy(&x, s + j, (z - j) * sizeof(float));
@@ -260,21 +396,39 @@ void unit(const Problem& p, int64_t index) {
   const int64_t count = span_hi - span_lo, quarter = count / 4;
   // Scores: keys i, i + quarter, i + 2 quarter, i + 3 quarter at once, then the last
   // count % 4 keys one at a time (step 0: one key read 4 times, its first dot kept).
-  for (int64_t i = 0; i < count; ++i) {
-    const bool streams = i < quarter;
-    if (!streams && i < 4 * quarter) continue;
-    const int64_t step = streams ? quarter : 0, row = head + span_lo + i;
+  const CodesDot codes_dot = p.k ? nullptr : codes_dot_for(D / p.key_groups / 8);
+#ifdef __AVX2__
+  // int8 keys: each query row as int16 codes where it is finite (units[r] >= 0)
+  const CodesDot16 codes_dot16 = p.k ? nullptr : codes_dot16_for(D / p.key_groups);
+  thread_local std::vector<int16_t> query_codes;
+  float units[MAX_ROWS];
+  if (codes_dot16) {
+    query_codes.resize(R * D);
+    for (int64_t r = 0; r < R; ++r) units[r] = quantize_query(q + r * D, D, &query_codes[r * D]);
+  }
+#endif
+  auto scores = [&](int64_t i, int64_t step, int keys) {
+    const int64_t row = head + span_lo + i;
     for (int64_t r = 0; r < R; ++r) {
       float dots[4];
-      if (p.k)
+      if (p.k) {
         dot4(q + r * D, p.k + row * D, D, dots, step * D);
-      else
-        codes_dot4(q + r * D, p.k_codes + row * D, p.k_scale + row * p.key_groups, step,
-                   p.key_groups, D, dots);
-      float* scores = weights + r * C + i;
-      for (int t = 0; t < (streams ? 4 : 1); ++t) scores[t * quarter] = p.scale * dots[t];
+      } else {
+        const int8_t* codes = p.k_codes + row * D;
+        const float* scales = p.k_scale + row * p.key_groups;
+#ifdef __AVX2__
+        if (codes_dot16 && units[r] >= 0.0f)
+          codes_dot16(&query_codes[r * D], units[r], codes, scales, step, p.key_groups, D, dots);
+        else
+#endif
+          codes_dot(q + r * D, codes, scales, step, p.key_groups, D, dots);
+      }
+      float* out = weights + r * C + i;
+      for (int t = 0; t < keys; ++t) out[t * step] = p.scale * dots[t];
     }
-  }
+  };
+  for (int64_t i = 0; i < quarter; ++i) scores(i, quarter, 4);
+  for (int64_t i = 4 * quarter; i < count; ++i) scores(i, 0, 1);
   for (int64_t r = 0; r < R; ++r)
     if (lo[r] < hi[r])
       maxes[r] = row_weights(weights + r * C, count, lo[r] - span_lo, hi[r] - span_lo,
@@ -283,14 +437,14 @@ void unit(const Problem& p, int64_t index) {
     if (lo[r] >= hi[r]) continue;
     for (int64_t d = 0; d < D; d += SLAB)
       switch (std::min<int64_t>(D - d, SLAB) / 8) {
-        case 8: value_slab<8>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
-        case 7: value_slab<7>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
-        case 6: value_slab<6>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
-        case 5: value_slab<5>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
-        case 4: value_slab<4>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
-        case 3: value_slab<3>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
-        case 2: value_slab<2>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
-        default: value_slab<1>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 8: value_slab_for<8>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 7: value_slab_for<7>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 6: value_slab_for<6>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 5: value_slab_for<5>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 4: value_slab_for<4>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 3: value_slab_for<3>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        case 2: value_slab_for<2>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
+        default: value_slab_for<1>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;
       }
   }
 }
@@ -418,3 +572,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenDecodeAttentionCodes, CodesImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+// Bits of the integer codes the int8 path rounds each query row to for key scale groups of a
+// multiple of 16 channels (16, where AVX2 has the int16 multiply-adds; 0: float queries), for
+// the Python side (`decode_attention.query_bits`).
+extern "C" int JaxgenDecodeAttentionQueryBits() {
+#ifdef __AVX2__
+  return 16;
+#else
+  return 0;
+#endif
+}

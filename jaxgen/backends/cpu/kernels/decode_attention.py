@@ -6,6 +6,11 @@ The kernel reads only the keys some query can see (j <= position, within the sli
 once, in chunks that XLA's thread pool shares, and widens int8 codes in registers; XLA:CPU's
 batched products read every slot the cache holds, at about half the bandwidth probe's rate.
 
+Against int8 keys whose scale groups span a multiple of 16 channels, an AVX2 build rounds each
+query row to int16 codes (`query_bits()`; `rounded_queries` gives the query it sees) and
+multiplies codes by codes: a rounding of 1/65534 of the row's largest channel, next to the
+1/254 of a group's largest the keys themselves were rounded to.
+
 Under `jax.vmap` the call runs once per mapped row (`vmap_method="sequential"`).
 
 Example:
@@ -24,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.backends.cpu.kernels.build import attention_query_bits as query_bits
 from jaxgen.backends.cpu.kernels.build import attention_targets
 
 MAX_ROWS = 64  # query rows (G * S) per (row, KV head) the kernel serves; more: XLA's matmuls
@@ -39,6 +45,26 @@ def runs(rows: int, head_dim: int, key_groups: int = 1, value_groups: int = 1) -
     multiple of 8), with int8 scale groups of a multiple of 8 channels."""
     return (0 < rows <= MAX_ROWS and head_dim % 8 == 0
             and all(g > 0 and head_dim % (8 * g) == 0 for g in (key_groups, value_groups)))
+
+
+def rounded_queries(q_rows: jax.Array, key_groups: int) -> jax.Array:
+    """q_rows [..., D] as the int8 path sees them against keys of `key_groups` scale groups:
+    rounded to int16 codes of max |row| / 32767 where the kernel does so (`query_bits()`),
+    else unchanged.
+
+    Example:
+        >>> row = jnp.array([[1.0, -0.5] + [0.0] * 14])             # [1, 16]
+        >>> out = rounded_queries(row, 1)
+        >>> bool(jnp.abs(out - row).max() <= 1.0 / 65534)
+        True
+    """
+    width = q_rows.shape[-1] // key_groups
+    if query_bits() != 16 or width % 16 != 0:
+        return q_rows
+    high = jnp.abs(q_rows).max(axis=-1, keepdims=True)  # [..., 1]
+    inverse = jnp.where(high > 0, jnp.float32(32767.0) / high, 0.0)  # [..., 1]
+    codes = jnp.round(q_rows * inverse)  # [..., D] (ties to even, as the kernel's lrint)
+    return jnp.where(jnp.isfinite(high), codes * (high / jnp.float32(32767.0)), q_rows)
 
 
 def decode_attention(q_rows: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
@@ -61,4 +87,4 @@ def decode_attention(q_rows: jax.Array, k: jax.Array, v: jax.Array, q_positions:
                 positions, window, scale=np.float32(scale))
 
 
-__all__ = ["MAX_ROWS", "available", "decode_attention", "runs"]
+__all__ = ["MAX_ROWS", "available", "decode_attention", "query_bits", "rounded_queries", "runs"]
