@@ -11,14 +11,16 @@ Each step runs what `jaxgen.generate` runs on CPU (layout="auto"): per-layer wei
 (jaxgen.cache.layer_forms.to_layer_tuples, as jaxgen/backends/cpu/prepare.py converts it). The
 cache is filled with random K/V up to the context (through each kind's own `update`, so
 int8 codes and ring slots are real), then `--steps` greedy decode steps run in one jitted
-`fori_loop` (timed after a warm-up call). Fixed-size kinds are allocated for context + 2 *
+`fori_loop` (timed after a warm-up call); each call splits the cache per layer and stacks it
+back, as a generate call does, unless `--held-cache` keeps it per layer between calls (as the
+chunked driver and the serving engine do). Fixed-size kinds are allocated for context + 2 *
 steps; "dynamic" holds the power-of-two bucket jaxgen.drivers.growing would have grown to;
 "sliding_window" uses a 4096-token window (the model gets sliding_window=4096 for that row
 only) plus 64 slots of rollback slack; "offloaded" is a no-op on CPU (host memory is the
 device memory), so it measures the same program as "static".
 
     python benchmarks/bench_cache.py [--contexts 1024 4096 16384] [--steps 16] [--stacked-cache]
-                                     [--xla-attention]
+                                     [--xla-attention] [--held-cache]
     python benchmarks/bench_cache.py --prefill 4096 --kinds static "quantized int8"
 
 Prints a markdown table and saves benchmarks/bench_cache.png.
@@ -75,16 +77,21 @@ def fill(cache, context: int, key):
     return cache.with_length(jnp.full((1,), context, jnp.int32))
 
 
-def make_decode(model, steps: int, split: bool = True, kernel_attention: bool = True):
+def make_decode(model, steps: int, split: bool = True, kernel_attention: bool = True,
+                held: bool = False):
     """`steps` greedy steps in one jitted loop, over what a compiled generate call runs: the
     weights as `for_decoding` lays them out and, with per-layer weights, the cache held per
     layer, attending through the native decode-attention kernel where it is built
     (jaxgen/backends/cpu/prepare.py; split=False keeps the cache stacked, kernel_attention=False
-    runs XLA's attention)."""
+    runs XLA's attention). held: the cache comes and goes one buffer per layer (as the chunked
+    driver and the serving engine hold it between calls), not stacked."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def decode(params, cache, token, start):
         params = for_decoding(model, params, rows=1, layout="auto")
-        if isinstance(params["layers"], (list, tuple)) and split:
+        per_layer = isinstance(params["layers"], (list, tuple))
+        if held and not per_layer:
+            cache = to_stacked_layers(cache)
+        if per_layer and split:
             cache = to_layer_tuples(cache)
             if kernel_attention:
                 cache = with_kernel_attention(cache)
@@ -95,12 +102,13 @@ def make_decode(model, steps: int, split: bool = True, kernel_attention: bool = 
             out = model(params, token[:, None], position, cache)
             return out.cache, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
         cache, token = jax.lax.fori_loop(0, steps, body, (cache, token))
-        return to_stacked_layers(without_kernel_attention(cache)), token
+        cache = without_kernel_attention(cache)
+        return (to_layer_tuples(cache) if held else to_stacked_layers(cache)), token
     return decode
 
 
 def run_one(label: str, context: int, steps: int, split: bool = True,
-            repeats: int = 3, kernel_attention: bool = True) -> dict:
+            repeats: int = 3, kernel_attention: bool = True, held: bool = False) -> dict:
     """Cache bytes, decode tokens/s (median of `repeats` calls of `steps` steps), the
     first call's seconds and the bytes a step reads at least (layer weights, head, cache)."""
     kind, cache_config, window = KINDS[label]
@@ -112,7 +120,9 @@ def run_one(label: str, context: int, steps: int, split: bool = True,
     cache = model.init_cache(1, capacity, kind=kind, cache_config=cache_config)
     cache = fill(cache, context, jax.random.key(1))
     nbytes = cache.nbytes()
-    decode = make_decode(model, steps, split, kernel_attention)
+    decode = make_decode(model, steps, split, kernel_attention, held)
+    if held:
+        cache = to_layer_tuples(cache)
     token = jnp.zeros((1,), jnp.int32)
     t0 = time.perf_counter()
     cache, token = decode(params, cache, token, jnp.int32(context))
@@ -165,6 +175,10 @@ def main(argv=None):
     parser.add_argument("--xla-attention", action="store_true",
                         help="attention through XLA's products, not the native "
                              "decode-attention kernel (jaxgen/backends/cpu/kernel_attention.py)")
+    parser.add_argument("--held-cache", action="store_true",
+                        help="hold the cache one buffer per layer between calls, as the "
+                             "chunked driver and the serving engine do (no split and stack "
+                             "copies a call)")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                         help="instead: seconds of generate() for a prompt of TOKENS tokens "
                              "and 4 new ones, per kind")
@@ -179,7 +193,8 @@ def main(argv=None):
     for context in args.contexts:
         for label in args.kinds:
             row = run_one(label, context, args.steps, split=not args.stacked_cache,
-                          repeats=args.repeats, kernel_attention=not args.xla_attention)
+                          repeats=args.repeats, kernel_attention=not args.xla_attention,
+                          held=args.held_cache)
             rows.append(row)
             print(f"  {label:24s} ctx {context:6d}: {row['bytes'] / 2**20:8.1f} MiB  "
                   f"{row['tokens_per_s']:7.1f} tok/s  (first call {row['first_call_s']:.1f}s)",

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import stopping
+from jaxgen.cache.layer_forms import holds_layer_tuples, to_layer_tuples, to_stacked_layers
 from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.core.output import GenerateOutput
@@ -168,6 +169,13 @@ def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, 
     total_steps = state.buffer_len - state.prompt_bucket
     if prepare_chunk is not None:
         state = prepare_chunk(state, 0, 1)
+    # held one buffer per layer between the chunks' programs (a host hook may reshape the
+    # cache, so not then): no split and stack copies of the whole cache a chunk
+    apart = (prepare_chunk is None and getattr(loop, "takes_layer_tuples", False)
+             and not holds_layer_tuples(state.cache)
+             and compiled.runs_layers_apart(params, state, loop, cfg, layout))
+    if apart:
+        state = state.replace(cache=_layers_apart(state.cache))
     state, extra = compiled.start(params, state, cfg, inputs, loop=loop, layout=layout)
     emitter.emit(state)
     timings.first_token_s = time.perf_counter() - start_time
@@ -200,7 +208,20 @@ def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, 
         step += chunk
         timings.chunks += 1
         emitter.emit(state)
+    if apart:
+        state = state.replace(cache=to_stacked_layers(state.cache))
     return finish_run(loop, state, extra, deadline, timings, start_time, step)
+
+
+def _layers_apart(cache):
+    """The cache one buffer per layer; the stacked buffers are freed (the driver consumes its
+    state, as the programs' donation would)."""
+    apart = jax.block_until_ready(to_layer_tuples(cache))
+    for name in (field.name for field in dataclasses.fields(cache)):
+        before, after = getattr(cache, name), getattr(apart, name)
+        if isinstance(after, tuple) and isinstance(before, jax.Array):
+            before.delete()  # [L, ...], copied into after
+    return apart
 
 
 __all__: Sequence[str] = ("run_chunked", "as_streamers", "end_streamers", "ChunkTimings",
