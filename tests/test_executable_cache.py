@@ -154,12 +154,14 @@ def test_a_fresh_process_runs_stored_programs_that_call_the_native_kernel(tmp_pa
     folder = str(tmp_path / "executables")
     first = json.loads(_script(folder, "split"))["first"]  # generate(..., layout="split")
     again = json.loads(_script(folder, "split"))["first"]
-    assert first["stats"]["written"] == 4  # and the weights' layout program
-    assert again["stats"]["hits"] == 4 and again["compiles"] == 0
+    # the streamed call's start / advance, the plain call's run, the weights' layout program,
+    # and the streamed call's split of the cache per layer and its stack at the end
+    assert first["stats"]["written"] == 6
+    assert again["stats"]["hits"] == 6 and again["compiles"] == 0
     assert again["tokens"] == first["tokens"]
     targets = _native_targets(folder)
     assert targets["run_donated"] == ["jaxgen_few_rows", "jaxgen_decode_attention_dense"]
-    assert targets["layout_pieces"] == []
+    assert targets["layout_pieces"] == [] and targets["cache_apart"] == []
 
 
 _THROUGH_XLA_CACHE = """

@@ -11,6 +11,8 @@ from jaxgen.backends.cpu.kernels.quantized_rows import (
     available,
     expand,
     quantized_product,
+    rounded_row_limit,
+    rounded_rows,
     runs,
 )
 from jaxgen.backends.cpu.quantized_kernel_matrix import (
@@ -60,9 +62,30 @@ def test_product_equals_xla_with_the_expanded_weight(kind, k, groups, lead):
     got = jax.jit(quantized_product, static_argnums=(4, 5))(x, codes, scale, offset,
                                                             code_offset, None)  # [..., N]
     weight = expand(codes, scale, offset, code_offset)  # [N, K]
-    want = jnp.einsum("...k,nk->...n", x, weight, precision="highest")
+    # the rows as the kernel sees them (int16 codes of each 32-input block on AVX2 builds)
+    seen = rounded_rows(x, groups)  # [..., K]
+    want = jnp.einsum("...k,nk->...n", seen, weight, precision="highest")
     assert got.shape == lead + (131,)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    # and within the rounding's bound of the float rows' product: K x max|x| / 65534 x max|w|
+    exact = jnp.einsum("...k,nk->...n", x, weight, precision="highest")
+    bound = k * float(jnp.abs(x).max()) / 65534 * float(jnp.abs(weight).max())
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=bound + 1e-5 * float(jnp.abs(exact).max()))
+
+
+def test_rows_are_rounded_per_block_only_up_to_the_limit():
+    # one block with a large input beside a small one: its own step loses the small one,
+    # the next block's small inputs keep theirs
+    codes, scale, _, _ = _weights("int8", (), 1, 64, 1, seed=9)
+    codes = jnp.ones_like(codes)  # w = scale: the product sums the inputs
+    x = jnp.zeros((1, 64)).at[0, 0].set(1e4).at[0, 1].set(0.1).at[0, 33].set(0.1)  # [1, K]
+    got = float(quantized_product(x, codes, scale)[0, 0] / scale[0, 0])
+    rounds = rounded_row_limit() >= 1
+    want = 1e4 + (0.1 if rounds else 0.2)  # 0.1 in block 0 is below its step (0.31)
+    assert abs(got - want) < 0.05  # float32 around 1e4: steps of 1e-3
+    assert (rounded_rows(x, 1)[0, 1] == 0.0) == rounds
+    many = jnp.tile(x, (rounded_row_limit() + 1, 1))  # past the limit: float rows
+    np.testing.assert_array_equal(rounded_rows(many, 1), many)
 
 
 def test_expand_follows_the_gguf_nibble_order_and_the_code_offset():
@@ -80,7 +103,7 @@ def test_the_named_layer_of_a_stack_is_read_in_place_and_a_bad_layer_is_an_error
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 64)), jnp.float32)
     for layer in range(3):
         got = quantized_product(x, codes, scale, offset, code_offset, layer)  # [2, 70]
-        want = x @ expand(codes[layer], scale[layer], offset[layer]).T
+        want = rounded_rows(x, 2) @ expand(codes[layer], scale[layer], offset[layer]).T
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     with pytest.raises(Exception, match="layer outside the weight stack"):
         jax.block_until_ready(quantized_product(x, codes, scale, offset, code_offset, 3))
@@ -129,13 +152,16 @@ def test_quantized_kernel_matrix_stands_for_its_weight_and_falls_back_past_the_b
     own = QuantizedKernelMatrix.of(jax.tree_util.tree_map(lambda a: a[2], matrix))
     dense = matrix.dequantize()[2]  # [K, N]
     np.testing.assert_array_equal(np.asarray(own.dequantize()), np.asarray(dense))
+    groups = {"int8": 1, "int8-groups": 4}.get(source, 2)  # of the 64 inputs
     for rows in (1, 2, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, STACKED_KERNEL_MAX_ROWS,
                  STACKED_KERNEL_MAX_ROWS + 1):
         x = jax.random.normal(jax.random.key(rows), (rows, 1, 64))
+        seen = rounded_rows(x, groups) if rows <= STACKED_KERNEL_MAX_ROWS else x
         for m, bound in ((stacked, STACKED_KERNEL_MAX_ROWS), (own, KERNEL_MAX_ROWS)):
             lowered = jax.jit(lambda x, m: x @ m).lower(x, m).as_text()
             assert (TARGET in lowered) == (rows <= bound), (rows, m.layer)
-            np.testing.assert_allclose(x @ m, x @ dense, rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(x @ m, (seen if rows <= bound else x) @ dense,
+                                       rtol=1e-5, atol=1e-4)
 
 
 def test_a_matrix_the_kernel_does_not_take_stays_as_it_is():

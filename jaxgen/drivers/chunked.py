@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen import stopping
-from jaxgen.cache.layer_forms import holds_layer_tuples, to_layer_tuples, to_stacked_layers
+from jaxgen.cache.layer_forms import holds_layer_tuples
 from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.core.output import GenerateOutput
@@ -209,14 +209,14 @@ def _drive(loop, params, state, cfg, inputs, *, streamer, chunk_size, max_time, 
         timings.chunks += 1
         emitter.emit(state)
     if apart:
-        state = state.replace(cache=to_stacked_layers(state.cache))
+        state = state.replace(cache=compiled.cache_stacked(state.cache))
     return finish_run(loop, state, extra, deadline, timings, start_time, step)
 
 
 def _layers_apart(cache):
     """The cache one buffer per layer; the stacked buffers are freed (the driver consumes its
     state, as the programs' donation would)."""
-    apart = jax.block_until_ready(to_layer_tuples(cache))
+    apart = jax.block_until_ready(compiled.cache_apart(cache))
     for name in (field.name for field in dataclasses.fields(cache)):
         before, after = getattr(cache, name), getattr(apart, name)
         if isinstance(after, tuple) and isinstance(before, jax.Array):

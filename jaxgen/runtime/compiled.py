@@ -48,7 +48,7 @@ import weakref
 import jax
 import numpy as np
 
-from jaxgen.cache.layer_forms import holds_layer_tuples
+from jaxgen.cache.layer_forms import holds_layer_tuples, to_layer_tuples, to_stacked_layers
 from jaxgen.config.fields import check_int
 from jaxgen.runtime import backend, executable_cache
 
@@ -300,6 +300,21 @@ def runs_layers_apart(params, state, loop, cfg, layout="auto") -> bool:
         False
     """
     return backend.layers_apart(_laid_out(params, state, loop, cfg, layout))
+
+
+def cache_apart(cache):
+    """The cache one buffer per layer (`to_layer_tuples`), by a program the executable store
+    keeps, so a fresh process that stored it compiles nothing. The input is left as it is."""
+    return executable_cache.call("cache_apart", _cache_apart_jit, (cache,))
+
+
+def cache_stacked(cache):
+    """`cache_apart`'s inverse (`to_stacked_layers`), by a stored program too."""
+    return executable_cache.call("cache_stacked", _cache_stacked_jit, (cache,))
+
+
+_cache_apart_jit = jax.jit(to_layer_tuples)
+_cache_stacked_jit = jax.jit(to_stacked_layers)
 
 
 def trace_count() -> int:

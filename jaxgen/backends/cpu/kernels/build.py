@@ -479,6 +479,14 @@ def group_rows() -> int:
     return 0 if ffi_target() is None else int(_LOADED[SOURCE.name].JaxgenFewRowsGroupRows())
 
 
+def quantized_rounded_rows() -> int:
+    """The most input rows the quantized kernel rounds to int16 codes (3 on AVX2 builds without
+    AVX-512; 0: it multiplies float rows); 0 when the kernel is not available."""
+    if quantized_target() is None:
+        return 0
+    return int(_LOADED[QUANTIZED_SOURCE.name].JaxgenQuantizedRowsRoundedRows())
+
+
 def attention_query_bits() -> int:
     """Bits of the integer codes the decode-attention kernel rounds a query row to against int8
     keys (16 on an AVX2 build, 0: float queries); 0 when the kernel is not available."""
@@ -505,10 +513,7 @@ def main(argv=None) -> int:
 
 
 __all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_query_bits", "attention_targets",
-           "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows", "kernel_folder", "kernel_setting", "parse_kernel_setting",
-           "library_ready", "quantized_target", "register_targets", "start_background_build",
-           "start_builds_for", "use_temporary_folder"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+           "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows",
+           "kernel_folder", "kernel_setting", "library_ready", "parse_kernel_setting",
+           "quantized_rounded_rows", "quantized_target", "register_targets",
+           "start_background_build", "start_builds_for", "use_temporary_folder"]

@@ -14,6 +14,7 @@
 // Layout of row n: codes[n] = K int8 codes, or K / 2 bytes in which byte j of each 32-input
 // block holds input j in its low nibble and input j + 16 in its high one (GGUF's packing);
 // scale[n] and offset[n] = K / group float32 or float16 values.
+#include <cmath>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -37,6 +38,16 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 #else
 #define GROUP_ROWS_IS_8 0
 #endif
+
+// AVX2 cores without AVX-512 (measured on Zen 1) multiply int16 codes of the input rows
+// (int16_dots); AVX-512 builds widen the codes to 16-float vectors instead.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define INT16_ROWS 1
+#else
+#define INT16_ROWS 0
+#endif
+
+constexpr int64_t INT16_MAX_ROWS = INT16_ROWS ? 3 : 0;  // 4 rows measured faster as floats
 
 constexpr int64_t BUFFER_FLOATS = 16384;  // floats of expanded weight rows per tile (64 KB)
 
@@ -115,18 +126,27 @@ inline v8 load8_half(const _Float16* p) {
 }
 
 // Weight row col's `groups` scales (values = q.scale) or offsets (q.offset) as float32: the
-// row itself, or widened from float16 into `out` (groups + 8 floats).
+// row itself, or widened from float16 into `out` (32-byte aligned: RowValues).
 inline const float* row_values(const Quantized& q, const void* values, int64_t col, float* out) {
   if (!q.half) return static_cast<const float*>(values) + col * q.groups;
   const _Float16* row = static_cast<const _Float16*>(values) + col * q.groups;
   int64_t g = 0;
-  for (; g + 8 <= q.groups; g += 8) {
-    const v8 wide = load8_half(row + g);
-    std::memcpy(out + g, &wide, sizeof(v8));
-  }
+  for (; g + 8 <= q.groups; g += 8)  // out is 32-byte aligned: whole stores (a split one
+    //                                   cannot forward to the loads that follow)
+    *reinterpret_cast<v8*>(__builtin_assume_aligned(out + g, sizeof(v8))) = load8_half(row + g);
   for (; g < q.groups; ++g) out[g] = to_float(row, g);
   return out;
 }
+
+// Scratch for one row's scales and offsets as float32, each 32-byte aligned (row_values).
+struct RowValues {
+  std::vector<v8> storage;
+  int64_t stride;  // floats from the scales to the offsets
+  explicit RowValues(int64_t groups)
+      : storage(2 * ((groups + 15) / 8)), stride(8 * ((groups + 15) / 8)) {}
+  float* scales() { return reinterpret_cast<float*>(storage.data()); }
+  float* offsets() { return scales() + stride; }
+};
 
 #ifdef __AVX512F__
 typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register
@@ -206,22 +226,130 @@ void block_dots(const Quantized& q, const uint8_t* row, const float* x, const fl
   }
 }
 
+#if INT16_ROWS
+// Input rows as int16 codes, each 32-input block with its own step (max |block| / 32767), for
+// the integer path of int16_dots; empty where the rows hold a NaN or an infinity.
+struct RoundedRows {
+  std::vector<int16_t> codes;  // [M, K]
+  std::vector<float> steps;    // [M, K / 32]
+};
+
+inline RoundedRows round_rows(const float* x, int64_t m, int64_t k) {
+  RoundedRows out;
+  const int64_t blocks = k / 32;
+  out.codes.resize(m * k);
+  out.steps.resize(m * blocks);
+  for (int64_t b = 0; b < m * blocks; ++b) {
+    const float* xb = x + 32 * b;  // k is a multiple of 32: blocks run on across rows
+    float high = 0.0f;
+    for (int i = 0; i < 32; ++i) high = std::max(high, std::fabs(xb[i]));
+    if (!std::isfinite(high) || std::isnan(high)) return RoundedRows{};
+    const float inverse = high > 0.0f ? 32767.0f / high : 0.0f;
+    for (int i = 0; i < 32; ++i)
+      out.codes[32 * b + i] = static_cast<int16_t>(std::lrint(xb[i] * inverse));
+    out.steps[b] = high / 32767.0f;
+  }
+  return out;
+}
+
+// Block b's 32 codes of a weight row as two vectors of 16 int16 (inputs 0..15, 16..31).
+template <bool NIBBLES>
+inline void widen_block(const uint8_t* row, int64_t b, __m256i* low, __m256i* high) {
+  if constexpr (NIBBLES) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+    const __m128i mask = _mm_set1_epi8(15);
+    *low = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+    *high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+  } else {
+    *low = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * b)));
+    *high = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * b + 16)));
+  }
+}
+
+// fused_rows' products with the input rows as int16 codes (round_rows), groups of a multiple
+// of 32 inputs: totals[r] = sum_g scale_g * sum_b step_rb * (xcodes_rb . code_b). A block's 32
+// products are two multiply-adds of int16 pairs into 8 int32 lanes and one conversion to
+// float, where widening the codes to floats takes four conversions (the bound on AVX2 cores
+// that run 256-bit conversions as two halves).
+template <int ROWS, bool NIBBLES>
+void int16_dots(const Quantized& q, const uint8_t* row, const RoundedRows& xr,
+                const float* row_scales, float* totals) {
+  const int64_t blocks = q.k / 32, per_group = q.group / 32;
+  const int16_t* codes = xr.codes.data();
+  const float* steps = xr.steps.data();
+  // the int32 sums of block b's products with row r, as floats
+  auto block_sums = [&](int64_t b, v8* out) {
+    __m256i low, high;
+    widen_block<NIBBLES>(row, b, &low, &high);
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
+      const int16_t* xb = codes + r * q.k + 32 * b;
+      const __m256i sums = _mm256_add_epi32(
+          _mm256_madd_epi16(low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+          _mm256_madd_epi16(high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+      out[r] = (v8)_mm256_cvtepi32_ps(sums);
+    }
+  };
+  if (per_group == 1) {  // GGUF blocks: independent sums for consecutive blocks (a chain of
+    //                      one multiply-add a block would bound the loop by its latency)
+    constexpr int CHAINS = ROWS == 1 ? 4 : 2;
+    v8 acc[ROWS][CHAINS];
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+      _Pragma("GCC unroll 4") for (int c = 0; c < CHAINS; ++c) acc[r][c] = v8{};
+    int64_t b = 0;
+    for (; b + CHAINS <= blocks; b += CHAINS)
+      _Pragma("GCC unroll 4") for (int c = 0; c < CHAINS; ++c) {
+        v8 sums[ROWS];
+        block_sums(b + c, sums);
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+          acc[r][c] += sums[r] * (steps[r * blocks + b + c] * row_scales[b + c]);
+      }
+    for (; b < blocks; ++b) {
+      v8 sums[ROWS];
+      block_sums(b, sums);
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+        acc[r][0] += sums[r] * (steps[r * blocks + b] * row_scales[b]);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
+      v8 total = acc[r][0];
+      _Pragma("GCC unroll 4") for (int c = 1; c < CHAINS; ++c) total += acc[r][c];
+      totals[r] = sum_lanes(total);
+    }
+    return;
+  }
+  v8 acc[ROWS];  // longer groups: a group's blocks summed, then its scale
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r] = v8{};
+  for (int64_t g = 0; g < q.groups; ++g) {
+    v8 part[ROWS];
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) part[r] = v8{};
+    for (int64_t j = 0; j < per_group; ++j) {
+      const int64_t b = g * per_group + j;
+      v8 sums[ROWS];
+      block_sums(b, sums);
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) part[r] += sums[r] * steps[r * blocks + b];
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r] += part[r] * row_scales[g];
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) totals[r] = sum_lanes(acc[r]);
+}
+#endif
+
 // Up to a row group of input rows against weight rows [begin, end), codes multiplied as they
 // are widened. xsums: ROWS x groups sums of x over each group (read when groups are shifted).
 // Groups of 32 (GGUF blocks) run block_dots; longer groups keep product chains summed at the
 // group's end. A row's scales are widened to float32 once, and its shifts
 // sum_g (offset_g - scale_g * code_offset) * xsums_g are one dot product.
 template <int ROWS, bool NIBBLES>
-void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y, int64_t begin,
-                int64_t end) {
+void fused_rows(const Quantized& q, const float* x, const float* xsums, const void* rounded,
+                float* y, int64_t begin, int64_t end) {
   const bool shifted = q.offset != nullptr || q.code_offset != 0.0f;
   const int64_t whole = q.group - q.group % 32;  // inputs of a group taken 32 at a time
-  std::vector<float> widened(2 * (q.groups + 8));  // one row's scales and offsets as float32
+  RowValues widened(q.groups);  // one row's scales and offsets as float32
   for (int64_t col = begin; col < end; ++col) {
     const uint8_t* row = q.codes + col * q.row_bytes;
-    const float* row_scales = row_values(q, q.scale, col, widened.data());
+    const float* row_scales = row_values(q, q.scale, col, widened.scales());
     const float* row_offsets =
-        q.offset ? row_values(q, q.offset, col, widened.data() + q.groups + 8) : nullptr;
+        q.offset ? row_values(q, q.offset, col, widened.offsets()) : nullptr;
     float shift_total[ROWS] = {};
     if (shifted) {  // sum_g (offset_g - scale_g * code_offset) * xsums_g, 8 groups at a time
       v8 shift_sum[ROWS];
@@ -240,6 +368,16 @@ void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y
                              row_scales[h] * q.code_offset) * xsums[r * q.groups + h];
       }
     }
+#if INT16_ROWS
+    if (rounded != nullptr) {
+      float totals[ROWS];
+      int16_dots<ROWS, NIBBLES>(q, row, *static_cast<const RoundedRows*>(rounded), row_scales,
+                                totals);
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+        y[r * q.n + col] = totals[r] + shift_total[r];
+      continue;
+    }
+#endif
     if (q.group == 32) {
       float totals[ROWS];
       block_dots<ROWS, NIBBLES, BlockVector>(q, row, x, row_scales, totals);
@@ -278,12 +416,11 @@ void fused_rows(const Quantized& q, const float* x, const float* xsums, float* y
 }
 
 // Weight row col expanded to K floats: scale * (code - code_offset) + offset.
-// widened: 2 * (groups + 8) floats of scratch.
 template <bool NIBBLES>
-void expand_row(const Quantized& q, int64_t col, float* out, float* widened) {
+void expand_row(const Quantized& q, int64_t col, float* out, RowValues& widened) {
   const uint8_t* row = q.codes + col * q.row_bytes;
-  const float* scales = row_values(q, q.scale, col, widened);
-  const float* offsets = q.offset ? row_values(q, q.offset, col, widened + q.groups + 8) : nullptr;
+  const float* scales = row_values(q, q.scale, col, widened.scales());
+  const float* offsets = q.offset ? row_values(q, q.offset, col, widened.offsets()) : nullptr;
   const int64_t whole = q.group - q.group % 32;
   for (int64_t g = 0; g < q.groups; ++g) {
     const int64_t start = g * q.group;
@@ -308,44 +445,64 @@ void expand_row(const Quantized& q, int64_t col, float* out, float* widened) {
 
 // Rows [0, m) of x against weight rows [begin, end).
 template <bool NIBBLES>
-void quantized_block(const Quantized& q, const float* x, int64_t m, const float* xsums, float* y,
-                     int64_t begin, int64_t end) {
+void quantized_block(const Quantized& q, const float* x, int64_t m, const float* xsums,
+                     const void* rounded, float* y, int64_t begin, int64_t end) {
   switch (m) {  // up to GROUP_ROWS rows: codes multiplied as they are widened
-    case 1: return fused_rows<1, NIBBLES>(q, x, xsums, y, begin, end);
-    case 2: return fused_rows<2, NIBBLES>(q, x, xsums, y, begin, end);
-    case 3: return fused_rows<3, NIBBLES>(q, x, xsums, y, begin, end);
-    case 4: return fused_rows<4, NIBBLES>(q, x, xsums, y, begin, end);
+    case 1: return fused_rows<1, NIBBLES>(q, x, xsums, rounded, y, begin, end);
+    case 2: return fused_rows<2, NIBBLES>(q, x, xsums, rounded, y, begin, end);
+    case 3: return fused_rows<3, NIBBLES>(q, x, xsums, rounded, y, begin, end);
+    case 4: return fused_rows<4, NIBBLES>(q, x, xsums, rounded, y, begin, end);
 #if GROUP_ROWS_IS_8
-    case 5: return fused_rows<5, NIBBLES>(q, x, xsums, y, begin, end);
-    case 6: return fused_rows<6, NIBBLES>(q, x, xsums, y, begin, end);
-    case 7: return fused_rows<7, NIBBLES>(q, x, xsums, y, begin, end);
-    case 8: return fused_rows<8, NIBBLES>(q, x, xsums, y, begin, end);
+    case 5: return fused_rows<5, NIBBLES>(q, x, xsums, rounded, y, begin, end);
+    case 6: return fused_rows<6, NIBBLES>(q, x, xsums, rounded, y, begin, end);
+    case 7: return fused_rows<7, NIBBLES>(q, x, xsums, rounded, y, begin, end);
+    case 8: return fused_rows<8, NIBBLES>(q, x, xsums, rounded, y, begin, end);
 #endif
     default: break;
   }
   const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(16, BUFFER_FLOATS / q.k));
   std::vector<float> expanded(tile_rows * q.k);  // [tile_rows, K]
-  std::vector<float> widened(2 * (q.groups + 8));  // a row's scales and offsets
+  RowValues widened(q.groups);  // a row's scales and offsets
   for (int64_t col = begin; col < end; col += tile_rows) {
     const int64_t count = std::min(tile_rows, end - col);
     for (int64_t c = 0; c < count; ++c)
-      expand_row<NIBBLES>(q, col + c, &expanded[c * q.k], widened.data());
+      expand_row<NIBBLES>(q, col + c, &expanded[c * q.k], widened);
     block(x, m, q.k, expanded.data(), y + col, q.n, 0, count);
   }
 }
 
 template <bool NIBBLES>
 void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, float* y) {
-  std::vector<float> xsums;  // [m, groups], for the fused path's shifts
+  const void* rounded = nullptr;  // the integer path's input rows (groups of 32 j inputs)
+#if INT16_ROWS
+  RoundedRows rows;
+  if (m <= INT16_MAX_ROWS && q.group % 32 == 0) {
+    rows = round_rows(x, m, q.k);
+    if (!rows.codes.empty()) rounded = &rows;
+  }
+#endif
+  // [m, groups] sums of x over each group, for the fused path's shifts: of the rows as the
+  // products see them (rounded or not), so the call is one product of those rows
+  std::vector<float> xsums;
   if (m <= GROUP_ROWS && (q.offset != nullptr || q.code_offset != 0.0f)) {
     xsums.assign(m * q.groups, 0.0f);
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t g = 0; g < q.groups; ++g)
-        for (int64_t i = g * q.group; i < (g + 1) * q.group; ++i) xsums[r * q.groups + g] += x[r * q.k + i];
+      for (int64_t g = 0; g < q.groups; ++g) {
+        float& sum = xsums[r * q.groups + g];
+        for (int64_t i = g * q.group; i < (g + 1) * q.group; ++i) {
+#if INT16_ROWS
+          if (rounded) {
+            sum += rows.codes[r * q.k + i] * rows.steps[(r * q.k + i) / 32];
+            continue;
+          }
+#endif
+          sum += x[r * q.k + i];
+        }
+      }
   }
   const float* sums = xsums.data();
-  run_blocks(pool, q.n, [&q, x, m, sums, y](int64_t begin, int64_t end) {
-    quantized_block<NIBBLES>(q, x, m, sums, y, begin, end);
+  run_blocks(pool, q.n, [&q, x, m, sums, rounded, y](int64_t begin, int64_t end) {
+    quantized_block<NIBBLES>(q, x, m, sums, rounded, y, begin, end);
   });
 }
 
@@ -414,3 +571,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenQuantizedRows, QuantizedRowsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("code_offset"));
+
+// The most input rows the fused path rounds to int16 codes, each 32-input block with its own
+// step, for groups of a multiple of 32 inputs (0: none, float rows), for the Python side
+// (`quantized_rows.rounded_row_limit`).
+extern "C" int JaxgenQuantizedRowsRoundedRows() { return static_cast<int>(INT16_MAX_ROWS); }

@@ -8,6 +8,11 @@ j + 16 in the high one (GGUF Q4_0 with code_offset 8, Q4_1 with offsets). Scales
 are float32 or float16 [N, G]. The kernel reads the codes once and expands them in registers,
 where XLA:CPU first writes the float matrix to memory.
 
+Up to 3 input rows (`rounded_row_limit()`) against groups of a multiple of 32 inputs, an AVX2
+build without AVX-512 rounds each 32-input block of a row to int16 codes of its own step
+(max |block| / 32767) and multiplies codes by codes (`rounded_rows` gives the rows it sees): a rounding of 1/65534 of the block's largest input,
+next to the 1/30 (4-bit) or 1/254 (8-bit) of a group the weights were stored with.
+
 Under `jax.vmap` an unbatched weight stays one weight (the mapped axis becomes more rows); a
 batched weight expands it and runs `jnp.einsum`.
 
@@ -31,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.backends.cpu.kernels.build import quantized_rounded_rows as rounded_row_limit
 from jaxgen.backends.cpu.kernels.build import quantized_target
 
 NIBBLE_BLOCK = 32  # inputs of one 4-bit block (two codes a byte within it)
@@ -48,6 +54,29 @@ def runs(k: int, codes_dtype, groups: int) -> bool:
         return False
     step = NIBBLE_BLOCK if jnp.dtype(codes_dtype) == jnp.uint8 else 8
     return (k // groups) % step == 0
+
+
+def rounded_rows(x: jax.Array, groups: int) -> jax.Array:
+    """x [..., K] as the kernel sees it against a matrix of `groups` scale groups: each
+    32-input block of a row rounded to int16 codes of max |block| / 32767 where the kernel does
+    so (at most `rounded_row_limit()` rows, groups of a multiple of 32), else unchanged.
+
+    Example:
+        >>> x = jnp.array([[1.0, -0.25] + [0.0] * 30])               # [1, 32]
+        >>> bool(jnp.abs(rounded_rows(x, 1) - x).max() <= 1.0 / 65534)
+        True
+    """
+    *lead, k = x.shape
+    rows = int(np.prod(lead, dtype=np.int64))
+    if rows > rounded_row_limit() or (k // groups) % 32 != 0:
+        return x
+    blocks = x.reshape(*lead, k // 32, 32)  # [..., K / 32, 32]
+    high = jnp.abs(blocks).max(axis=-1, keepdims=True)  # [..., K / 32, 1]
+    if not bool(jnp.isfinite(high).all()):  # the kernel's float path
+        return x
+    inverse = jnp.where(high > 0, jnp.float32(32767.0) / high, 0.0)
+    codes = jnp.round(blocks * inverse)  # ties to even, as the kernel's lrint
+    return (codes * (high / jnp.float32(32767.0))).reshape(x.shape)
 
 
 def expand(codes: jax.Array, scale: jax.Array, offset: jax.Array | None = None,
@@ -104,4 +133,5 @@ def _product(code_offset: int, layer: int | None):
     return product
 
 
-__all__ = ["available", "expand", "quantized_product", "runs"]
+__all__ = ["available", "expand", "quantized_product", "rounded_row_limit", "rounded_rows",
+           "runs"]
