@@ -142,6 +142,17 @@ inline v8& aligned(float* at) {
 }
 
 
+// The 4 rows of int8 codes a dot reads (step rows apart) and their group scales.
+struct KeyRows {
+  const int8_t* codes[4];
+  const float* scales[4];
+  KeyRows(const int8_t* first, const float* first_scales, int64_t step, int64_t groups,
+          int64_t dim) {
+    for (int t = 0; t < 4; ++t)
+      codes[t] = first + t * step * dim, scales[t] = first_scales + t * step * groups;
+  }
+};
+
 // The dots of q with 4 rows of int8 codes (rows step apart: codes step * dim, scales
 // step * groups) times their group scales, into out[0..3]. A group's products (WIDTH blocks
 // of 8 channels; 0: dim / groups, known only at run time) are summed before its scale
@@ -150,10 +161,7 @@ template <int WIDTH>
 inline void codes_dot4(const float* q, const int8_t* codes, const float* scales, int64_t step,
                        int64_t groups, int64_t dim, float* out) {
   const int64_t blocks = WIDTH ? WIDTH : dim / groups / 8;
-  const int8_t* row[4] = {codes, codes + step * dim, codes + 2 * step * dim,
-                          codes + 3 * step * dim};
-  const float* scale[4] = {scales, scales + step * groups, scales + 2 * step * groups,
-                           scales + 3 * step * groups};
+  const KeyRows keys(codes, scales, step, groups, dim);
   v8 acc[4] = {};
   for (int64_t g = 0; g < groups; ++g) {
     v8 part[4] = {};
@@ -161,9 +169,9 @@ inline void codes_dot4(const float* q, const int8_t* codes, const float* scales,
       const int64_t d = (g * blocks + b) * 8;
       v8 x;
       std::memcpy(&x, q + d, sizeof(v8));
-      _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) part[t] += x * widen(row[t] + d);
+      _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) part[t] += x * widen(keys.codes[t] + d);
     }
-    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) acc[t] += part[t] * scale[t][g];
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) acc[t] += part[t] * keys.scales[t][g];
   }
   sum4(acc, out);
 }
@@ -193,10 +201,7 @@ inline void codes_dot4_i16(const int16_t* q16, float unit, const int8_t* codes,
                            const float* scales, int64_t step, int64_t groups, int64_t dim,
                            float* out) {
   const int64_t pairs = PAIRS ? PAIRS : dim / groups / 16;
-  const int8_t* row[4] = {codes, codes + step * dim, codes + 2 * step * dim,
-                          codes + 3 * step * dim};
-  const float* scale[4] = {scales, scales + step * groups, scales + 2 * step * groups,
-                           scales + 3 * step * groups};
+  const KeyRows keys(codes, scales, step, groups, dim);
   v8 acc[4] = {};
   for (int64_t g = 0; g < groups; ++g) {
     __m256i part[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
@@ -206,7 +211,7 @@ inline void codes_dot4_i16(const int16_t* q16, float unit, const int8_t* codes,
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + d));
       _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
         const __m256i k16 = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[t] + d)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys.codes[t] + d)));
         part[t] = _mm256_add_epi32(part[t], _mm256_madd_epi16(x, k16));
       }
     }
@@ -214,7 +219,7 @@ inline void codes_dot4_i16(const int16_t* q16, float unit, const int8_t* codes,
       const __m256 sums = _mm256_cvtepi32_ps(part[t]);
       v8 f;
       std::memcpy(&f, &sums, sizeof(v8));
-      acc[t] += f * scale[t][g];
+      acc[t] += f * keys.scales[t][g];
     }
   }
   sum4(acc, out);
