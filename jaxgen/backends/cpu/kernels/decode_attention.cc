@@ -177,22 +177,7 @@ inline void codes_dot4(const float* q, const int8_t* codes, const float* scales,
 }
 
 #ifdef __AVX2__
-// A query row as int16 codes q16[d] = round(q[d] / unit), unit = max |q| / 32767; returns
-// unit (0 for a zero row), or -1 where q holds a NaN or an infinity (the float path serves it).
-inline float quantize_query(const float* q, int64_t dim, int16_t* q16) {
-  float high = 0.0f;
-  for (int64_t d = 0; d < dim; ++d) high = std::max(high, std::fabs(q[d]));
-  if (!std::isfinite(high) || std::isnan(high)) return -1.0f;
-  if (high == 0.0f) {
-    std::fill(q16, q16 + dim, int16_t{0});
-    return 0.0f;
-  }
-  const float inverse = 32767.0f / high;
-  for (int64_t d = 0; d < dim; ++d) q16[d] = static_cast<int16_t>(std::lrint(q[d] * inverse));
-  return high / 32767.0f;
-}
-
-// codes_dot4 with the query as int16 codes (quantize_query): 16 channels a multiply-add of
+// codes_dot4 with the query as int16 codes (round_to_int16): 16 channels a multiply-add of
 // int16 pairs into int32 lanes (one instruction, where widening codes to floats takes two
 // per 8 channels), one conversion to float a group of PAIRS x 16 channels (0: known at run
 // time). Exact in int32 for groups of up to 2^14 channels.
@@ -409,7 +394,7 @@ void unit(const Problem& p, int64_t index) {
   float units[MAX_ROWS];
   if (codes_dot16) {
     query_codes.resize(R * D);
-    for (int64_t r = 0; r < R; ++r) units[r] = quantize_query(q + r * D, D, &query_codes[r * D]);
+    for (int64_t r = 0; r < R; ++r) units[r] = round_to_int16(q + r * D, D, &query_codes[r * D]);
   }
 #endif
   auto scores = [&](int64_t i, int64_t step, int keys) {

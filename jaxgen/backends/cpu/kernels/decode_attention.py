@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxgen.backends.cpu.kernels.build import attention_query_bits as query_bits
 from jaxgen.backends.cpu.kernels.build import attention_targets
+from jaxgen.backends.cpu.kernels.int16_rounding import int16_rounded
 
 MAX_ROWS = 64  # query rows (G * S) per (row, KV head) the kernel serves; more: XLA's matmuls
 
@@ -61,10 +62,7 @@ def rounded_queries(q_rows: jax.Array, key_groups: int) -> jax.Array:
     width = q_rows.shape[-1] // key_groups
     if query_bits() != 16 or width % 16 != 0:
         return q_rows
-    high = jnp.abs(q_rows).max(axis=-1, keepdims=True)  # [..., 1]
-    inverse = jnp.where(high > 0, jnp.float32(32767.0) / high, 0.0)  # [..., 1]
-    codes = jnp.round(q_rows * inverse)  # [..., D] (ties to even, as the kernel's lrint)
-    return jnp.where(jnp.isfinite(high), codes * (high / jnp.float32(32767.0)), q_rows)
+    return int16_rounded(q_rows)
 
 
 def decode_attention(q_rows: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,

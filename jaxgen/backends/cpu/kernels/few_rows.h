@@ -4,6 +4,7 @@
 #pragma once
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -168,6 +169,18 @@ inline void run_blocks(xla::ffi::ThreadPool& pool, int64_t n,
   // Every block is claimed; wait for the ones other threads are still running.
   while (shared->finished.load(std::memory_order_acquire) < shared->blocks)
     std::this_thread::yield();
+}
+
+// x[0..n) as int16 codes out[i] = round(x[i] / step), step = max |x| / 32767, for the integer
+// paths (decode_attention.cc's query rows, quantized_rows.cc's 32-input blocks); returns step
+// (0 for zeros), or -1 where x holds a NaN or an infinity (the float path serves it).
+inline float round_to_int16(const float* x, int64_t n, int16_t* out) {
+  float high = 0.0f;
+  for (int64_t i = 0; i < n; ++i) high = std::max(high, std::fabs(x[i]));
+  if (!std::isfinite(high) || std::isnan(high)) return -1.0f;
+  const float inverse = high > 0.0f ? 32767.0f / high : 0.0f;
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int16_t>(std::lrint(x[i] * inverse));
+  return high / 32767.0f;
 }
 
 }  // namespace jaxgen_rows

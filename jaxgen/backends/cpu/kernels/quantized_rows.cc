@@ -236,18 +236,11 @@ struct RoundedRows {
 
 inline RoundedRows round_rows(const float* x, int64_t m, int64_t k) {
   RoundedRows out;
-  const int64_t blocks = k / 32;
   out.codes.resize(m * k);
-  out.steps.resize(m * blocks);
-  for (int64_t b = 0; b < m * blocks; ++b) {
-    const float* xb = x + 32 * b;  // k is a multiple of 32: blocks run on across rows
-    float high = 0.0f;
-    for (int i = 0; i < 32; ++i) high = std::max(high, std::fabs(xb[i]));
-    if (!std::isfinite(high) || std::isnan(high)) return RoundedRows{};
-    const float inverse = high > 0.0f ? 32767.0f / high : 0.0f;
-    for (int i = 0; i < 32; ++i)
-      out.codes[32 * b + i] = static_cast<int16_t>(std::lrint(xb[i] * inverse));
-    out.steps[b] = high / 32767.0f;
+  out.steps.resize(m * (k / 32));
+  for (int64_t b = 0; b < m * (k / 32); ++b) {  // k is a multiple of 32: blocks run on across rows
+    out.steps[b] = round_to_int16(x + 32 * b, 32, &out.codes[32 * b]);
+    if (out.steps[b] < 0.0f) return RoundedRows{};
   }
   return out;
 }

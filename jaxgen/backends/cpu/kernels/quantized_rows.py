@@ -10,7 +10,8 @@ where XLA:CPU first writes the float matrix to memory.
 
 Up to 3 input rows (`rounded_row_limit()`) against groups of a multiple of 32 inputs, an AVX2
 build without AVX-512 rounds each 32-input block of a row to int16 codes of its own step
-(max |block| / 32767) and multiplies codes by codes (`rounded_rows` gives the rows it sees): a rounding of 1/65534 of the block's largest input,
+(max |block| / 32767) and multiplies codes by codes (`rounded_rows` gives the rows it
+sees): a rounding of 1/65534 of the block's largest input,
 next to the 1/30 (4-bit) or 1/254 (8-bit) of a group the weights were stored with.
 
 Under `jax.vmap` an unbatched weight stays one weight (the mapped axis becomes more rows); a
@@ -38,6 +39,7 @@ import numpy as np
 
 from jaxgen.backends.cpu.kernels.build import quantized_rounded_rows as rounded_row_limit
 from jaxgen.backends.cpu.kernels.build import quantized_target
+from jaxgen.backends.cpu.kernels.int16_rounding import int16_rounded
 
 NIBBLE_BLOCK = 32  # inputs of one 4-bit block (two codes a byte within it)
 
@@ -71,12 +73,9 @@ def rounded_rows(x: jax.Array, groups: int) -> jax.Array:
     if rows > rounded_row_limit() or (k // groups) % 32 != 0:
         return x
     blocks = x.reshape(*lead, k // 32, 32)  # [..., K / 32, 32]
-    high = jnp.abs(blocks).max(axis=-1, keepdims=True)  # [..., K / 32, 1]
-    if not bool(jnp.isfinite(high).all()):  # the kernel's float path
+    if not bool(jnp.isfinite(blocks).all()):  # the kernel's float path, for the whole call
         return x
-    inverse = jnp.where(high > 0, jnp.float32(32767.0) / high, 0.0)
-    codes = jnp.round(blocks * inverse)  # ties to even, as the kernel's lrint
-    return (codes * (high / jnp.float32(32767.0))).reshape(x.shape)
+    return int16_rounded(blocks).reshape(x.shape)
 
 
 def expand(codes: jax.Array, scale: jax.Array, offset: jax.Array | None = None,
