@@ -48,9 +48,10 @@ def _weights(kind, lead, n, k, groups, seed):
 
 
 # (kind, K, groups): per-channel and grouped int8 (groups of 8: the 8-input tail path; of 32:
-# the blocks' path, 16 lanes with AVX-512), GGUF's 32-input blocks; N off the 64-row blocks.
-FORMATS = [("int8", 96, 1), ("int8-groups", 96, 12), ("int8-blocks", 96, 3), ("Q8_0", 64, 2),
-           ("Q4_0", 64, 2), ("Q4_1", 128, 4)]
+# the blocks' path; of 104: three blocks, two a turn with AVX-512's 16 lanes and one left, then
+# an 8-input tail), GGUF's 32-input blocks; N off the 64-row blocks.
+FORMATS = [("int8", 96, 1), ("int8-groups", 96, 12), ("int8-blocks", 96, 3),
+           ("int8-long", 208, 2), ("Q8_0", 64, 2), ("Q4_0", 64, 2), ("Q4_1", 128, 4)]
 
 
 @pytest.mark.parametrize("kind, k, groups", FORMATS, ids=[f[0] for f in FORMATS])

@@ -27,7 +27,10 @@ constexpr int REGISTERS = 32;      // vector registers (AVX-512 gives 32 to 8-fl
 constexpr int REGISTERS = 16;
 #endif
 constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share one weight pass
-constexpr int PREFETCH_TILES = 2;  // how many tiles ahead the weight rows are prefetched
+// How many tiles ahead the weight rows are prefetched, into every cache level: a
+// non-temporal prefetch made 3 to 8 rows 2.3-2.5x slower on an Intel AVX-512 host (30 SmolLM2
+// layers, 8 rows: 55 against 22 ms; no prefetch: 30 ms).
+constexpr int PREFETCH_TILES = 2;
 
 inline float sum_lanes(v8 v) {
   float total = 0.0f;
@@ -46,7 +49,7 @@ inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
   for (int64_t i = 0; i < k8; i += 8) {
     _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
       const float* ahead = w + (c + PREFETCH_TILES * COLS) * k + i;
-      if (ahead < w_end) __builtin_prefetch(ahead, 0, 0);
+      if (ahead < w_end) __builtin_prefetch(ahead, 0, 3);  // into every level (T0)
     }
     v8 xv[ROWS];
     _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)

@@ -226,6 +226,68 @@ void block_dots(const Quantized& q, const uint8_t* row, const float* x, const fl
   }
 }
 
+// 8 lanes as the first 8 of a V (8 or 16 lanes), the rest zero.
+template <typename V>
+inline V first_lanes(v8 v) {
+  if constexpr (sizeof(V) == sizeof(v8)) {
+    return v;
+  } else {
+    return __builtin_shufflevector(v, v8{}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+}
+
+// fused_rows' products for groups longer than 32 inputs (int8 rows, whole-row groups), in
+// vectors V (8 or 16 lanes): totals[r] = sum_g scale_g * (x_g . code_g). CHAINS independent
+// sums a row, summed at the group's end; with 16 lanes two blocks a turn feed four chains.
+// An int8 group's last 8 * j inputs (past its multiple of 32) run in 8 lanes.
+template <int ROWS, bool NIBBLES, typename V>
+void group_dots(const Quantized& q, const uint8_t* row, const float* x, const float* row_scales,
+                float* totals) {
+  constexpr int LANES = sizeof(V) / sizeof(float), PARTS = 32 / LANES;
+  constexpr int CHAINS = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;
+  constexpr int TURN = CHAINS > PARTS ? CHAINS / PARTS : 1;  // blocks a turn
+  const int64_t whole = q.group - q.group % 32;  // inputs of a group taken 32 at a time
+  V acc[ROWS];
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r] = V{};
+  for (int64_t g = 0; g < q.groups; ++g) {
+    const int64_t start = g * q.group;
+    V part[ROWS][4];
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+      _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) part[r][c] = V{};
+    int64_t i = start;
+    for (; i + 32 * TURN <= start + whole; i += 32 * TURN)
+      _Pragma("GCC unroll 2") for (int t = 0; t < TURN; ++t) {
+        V w[PARTS];
+        expand32<NIBBLES>(row, i + 32 * t, w);
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+          _Pragma("GCC unroll 4") for (int p = 0; p < PARTS; ++p)
+            part[r][(t * PARTS + p) % CHAINS] +=
+                load_lanes<V>(x + r * q.k + i + 32 * t + LANES * p) * w[p];
+      }
+    for (; i < start + whole; i += 32) {  // a block left over from the turns
+      V w[PARTS];
+      expand32<NIBBLES>(row, i, w);
+      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+        _Pragma("GCC unroll 4") for (int p = 0; p < PARTS; ++p)
+          part[r][p % CHAINS] += load_lanes<V>(x + r * q.k + i + LANES * p) * w[p];
+    }
+    if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
+      for (int64_t j = start + whole; j < start + q.group; j += 8) {
+        const v8 w = expand8(row, j);
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+          part[r][0] += first_lanes<V>(load8(x + r * q.k + j) * w);
+      }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+      acc[r] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * row_scales[g];
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
+    float total = 0.0f;
+    for (int lane = 0; lane < LANES; ++lane) total += acc[r][lane];
+    totals[r] = total;
+  }
+}
+
 #if INT16_ROWS
 // Input rows as int16 codes, each 32-input block with its own step (max |block| / 32767), for
 // the integer path of int16_dots; empty where the rows hold a NaN or an infinity.
@@ -336,7 +398,6 @@ template <int ROWS, bool NIBBLES>
 void fused_rows(const Quantized& q, const float* x, const float* xsums, const void* rounded,
                 float* y, int64_t begin, int64_t end) {
   const bool shifted = q.offset != nullptr || q.code_offset != 0.0f;
-  const int64_t whole = q.group - q.group % 32;  // inputs of a group taken 32 at a time
   RowValues widened(q.groups);  // one row's scales and offsets as float32
   for (int64_t col = begin; col < end; ++col) {
     const uint8_t* row = q.codes + col * q.row_bytes;
@@ -378,33 +439,10 @@ void fused_rows(const Quantized& q, const float* x, const float* xsums, const vo
         y[r * q.n + col] = totals[r] + shift_total[r];
       continue;
     }
-    v8 acc[ROWS];  // longer groups: 4 / 2 / 1 product chains a row, summed at the group's end
-    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) acc[r] = v8{};
-    for (int64_t g = 0; g < q.groups; ++g) {
-      const int64_t start = g * q.group;
-      constexpr int CHAINS = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;
-      v8 part[ROWS][4];
-      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-        _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a) part[r][a] = v8{};
-      for (int64_t i = start; i < start + whole; i += 32) {
-        v8 w[4];
-        expand32<NIBBLES>(row, i, w);
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-          _Pragma("GCC unroll 4") for (int a = 0; a < 4; ++a)
-            part[r][a % CHAINS] += load8(x + r * q.k + i + 8 * a) * w[a];
-      }
-      if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
-        for (int64_t i = start + whole; i < start + q.group; i += 8) {
-          const v8 w = expand8(row, i);
-          _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-            part[r][0] += load8(x + r * q.k + i) * w;
-        }
-      }
-      _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-        acc[r] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * row_scales[g];
-    }
+    float totals[ROWS];
+    group_dots<ROWS, NIBBLES, BlockVector>(q, row, x, row_scales, totals);
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-      y[r * q.n + col] = sum_lanes(acc[r]) + shift_total[r];
+      y[r * q.n + col] = totals[r] + shift_total[r];
   }
 }
 
