@@ -57,10 +57,12 @@ def test_kernel_under_vmap_with_a_shared_and_a_mapped_weight():
 def test_kernel_matrix_falls_back_past_the_row_bound_and_stands_for_its_k_by_n_weight():
     weight = _random((3, 12, 20), 7)  # [L, K, N]
     per_layer = kernel_layers(*kernel_stacks({"wq": weight, "attn_norm": _random((3, 12), 8)}))
-    matrix = per_layer[2]["wq"]
-    assert isinstance(matrix, KernelMatrix) and matrix.shape == (12, 20) and matrix.layer == 2
-    own = KernelMatrix.of(weight[2])  # a weight of its own buffer: XLA reads it in place
-    assert own.layer is None and own.shape == (12, 20)
+    # the layout's float32 layers hold a buffer each: XLA's products read them in place
+    own = per_layer[2]["wq"]
+    assert isinstance(own, KernelMatrix) and own.shape == (12, 20) and own.layer is None
+    np.testing.assert_array_equal(own.weight_nk, weight[2].T)
+    matrix = KernelMatrix(jnp.swapaxes(weight, 1, 2), layer=2)  # a layer of a stack [L, N, K]
+    assert matrix.shape == (12, 20)
     # a layer of a stack keeps the kernel further (XLA would copy the layer out first)
     assert STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS
     for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, STACKED_KERNEL_MAX_ROWS,
