@@ -10,9 +10,10 @@ from __future__ import annotations
 # Few-row kernel (kernel_matrix.py): more rows run XLA's matrix-matrix product (16 rows: the
 # kernel 1.7x faster, 32: 1.15x).
 KERNEL_MAX_ROWS = 32
-# A layer of a stack: XLA's product would first copy the layer out of the stack (a dot reads
-# whole buffers; SmolLM2's 30 layers: 150-240 ms a pass), so the kernel runs further (30 layers,
-# Zen 4: 48 rows 127 vs 221 ms, 96: 209 vs 289, 192: 343 vs 369, 256: 490 vs 474).
+# A layer of a stack (the layout's quantized matrices; float32 layers have buffers of their
+# own): XLA's product would first copy the layer out of the stack (a dot reads whole
+# buffers; SmolLM2's 30 layers: 150-240 ms a pass), so the kernel runs further (30 float32
+# layers, Zen 4: 48 rows 127 vs 221 ms, 96: 209 vs 289, 192: 343 vs 369, 256: 490 vs 474).
 STACKED_KERNEL_MAX_ROWS = 192
 # Row by row (rowwise.py): up to this many rows run one matrix-vector product each (8 rows: no
 # gain).
