@@ -85,7 +85,7 @@ def kernel_stacks(layers: dict) -> tuple[dict, list[dict]]:
         return isinstance(value, jax.Array) and value.ndim == 3 and value.dtype == jnp.float32
 
     count = jax.tree_util.tree_leaves(layers)[0].shape[0]
-    transposed = {name: [jnp.swapaxes(value, 1, 2)[i] for i in range(value.shape[0])]  # L x [N, K]
+    transposed = {name: [value[i].T for i in range(value.shape[0])]  # L x [N, K]
                   if is_float32_stack(value) else QuantizedKernelMatrix.of(value)
                   for name, value in layers.items()
                   if is_float32_stack(value) or (kernel_takes(value) and len(value.shape) == 3)}

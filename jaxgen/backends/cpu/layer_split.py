@@ -82,8 +82,9 @@ def split_layers(params, fuse: bool = False, rowwise: bool = False, kernel: bool
 def split_pieces(params, fuse: bool = False, rowwise: bool = False, kernel: bool = False):
     """The arrays `split_layers` computes from stacked params, each once (so a compiled call
     can return them without copies): {"layers": per-layer dicts, or with kernel
-    `kernel_stacks`' (float32 matrices transposed into a buffer per layer, quantized stacks, other leaves per layer), "lm_head": the head's new
-    layout, or None where the params' own is kept}."""
+    `kernel_stacks`' (float32 matrices transposed into a buffer per layer, quantized stacks,
+    other leaves per layer), "lm_head": the head's new layout, or None where the params' own
+    is kept}."""
     layers = params["layers"]
     head = params.get("lm_head")
     if kernel and not is_stacked(params):  # per-layer params (unstack_layers): stacked once

@@ -254,23 +254,19 @@ void group_dots(const Quantized& q, const uint8_t* row, const float* x, const fl
     V part[ROWS][4];
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
       _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) part[r][c] = V{};
-    int64_t i = start;
-    for (; i + 32 * TURN <= start + whole; i += 32 * TURN)
-      _Pragma("GCC unroll 2") for (int t = 0; t < TURN; ++t) {
-        V w[PARTS];
-        expand32<NIBBLES>(row, i + 32 * t, w);
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
-          _Pragma("GCC unroll 4") for (int p = 0; p < PARTS; ++p)
-            part[r][(t * PARTS + p) % CHAINS] +=
-                load_lanes<V>(x + r * q.k + i + 32 * t + LANES * p) * w[p];
-      }
-    for (; i < start + whole; i += 32) {  // a block left over from the turns
+    // the 32-input block at input `at` into the chains of turn slot t (inlined where t is
+    // known, so the chains stay in registers)
+    auto add_block = [&](int64_t at, int t) __attribute__((always_inline)) {
       V w[PARTS];
-      expand32<NIBBLES>(row, i, w);
+      expand32<NIBBLES>(row, at, w);
       _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
         _Pragma("GCC unroll 4") for (int p = 0; p < PARTS; ++p)
-          part[r][p % CHAINS] += load_lanes<V>(x + r * q.k + i + LANES * p) * w[p];
-    }
+          part[r][(t * PARTS + p) % CHAINS] += load_lanes<V>(x + r * q.k + at + LANES * p) * w[p];
+    };
+    int64_t i = start;
+    for (; i + 32 * TURN <= start + whole; i += 32 * TURN)
+      _Pragma("GCC unroll 2") for (int t = 0; t < TURN; ++t) add_block(i + 32 * t, t);
+    for (; i < start + whole; i += 32) add_block(i, 0);  // a block left over from the turns
     if constexpr (!NIBBLES) {  // int8 groups of 8 * j inputs
       for (int64_t j = start + whole; j < start + q.group; j += 8) {
         const v8 w = expand8(row, j);
