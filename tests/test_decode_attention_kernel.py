@@ -26,10 +26,12 @@ def _random(shape, seed):
 
 # (batch, queries, heads, kv heads, keys, head_dim, window): one and several queries, grouped
 # heads, key counts off the chunk sizes and the 4-stream split, windows inside a chunk, one
-# head in 64 chunks, 64 heads in chunks of the largest size
+# head in 64 chunks, 64 heads in chunks of the largest size; rows by the score and value
+# tiles (several rows a pass) with rows a window hides from a chunk between them
 CASES = [(1, 1, 9, 3, 700, 64, None), (2, 4, 4, 2, 1000, 32, None), (1, 3, 2, 1, 600, 8, 100),
          (3, 1, 8, 8, 257, 64, None), (2, 16, 6, 2, 300, 16, 7), (1, 2, 1, 1, 5, 128, None),
-         (1, 1, 1, 1, 20000, 8, None), (1, 1, 64, 64, 9000, 8, 8500)]
+         (1, 1, 1, 1, 20000, 8, None), (1, 1, 64, 64, 9000, 8, 8500),
+         (1, 8, 6, 2, 900, 64, 50), (2, 5, 4, 1, 300, 128, None)]
 
 
 @pytest.mark.parametrize("batch, seq, heads, kv_heads, keys, dim, window", CASES)
@@ -91,6 +93,17 @@ def test_a_query_that_sees_no_key_gets_zeros_and_others_are_unaffected():
     block = KeyBlock(k=k[1:], v=v[1:], positions=jnp.arange(9, dtype=jnp.int32))
     want = attend_blocks(q[1:], positions[1:], [block], scale=1.0)
     np.testing.assert_allclose(out[1:], want, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_that_see_no_key_between_rows_that_do_get_zeros():
+    q = _random((1, 4, 2, 64), 10)
+    k, v = _random((1, 1, 40, 64), 11), _random((1, 1, 40, 64), 12)
+    positions = jnp.array([[5, -1, 30, -1]], jnp.int32)  # [B, S]: rows 1 and 3 see nothing
+    out = _heads(kernel.decode_attention(_rows(q, 1), k, v, positions, scale=0.125), q)
+    assert not np.asarray(out[:, 1::2]).any()
+    block = KeyBlock(k=k, v=v, positions=jnp.arange(40, dtype=jnp.int32))
+    want = attend_blocks(q[:, 0::2], positions[:, 0::2], [block], scale=0.125)
+    np.testing.assert_allclose(out[:, 0::2], want, rtol=1e-5, atol=2e-6)
 
 
 def test_keys_past_the_query_position_are_never_read():

@@ -124,6 +124,29 @@ inline void dot4(const float* a, const float* b, int64_t dim, float* out, int64_
   sum4(acc, out);
 }
 
+// Query rows a dense score tile reads each key for: QUERY_TILE rows x 4 keys of accumulators
+// (16 on AVX-512's 32 vector registers, 8 on AVX2's 16) beside 4 key and 1 query operand.
+constexpr int QUERY_TILE = REGISTERS >= 32 ? 4 : 2;
+
+// dot4 for ROWS query rows (dim floats apart) at once: each key block is loaded once for all
+// of them. out + r * out_stride receives row r's 4 dots.
+template <int ROWS>
+inline void dot4_rows(const float* a, const float* b, int64_t dim, float* out,
+                      int64_t out_stride, int64_t stride) {
+  v8 acc[ROWS][4] = {};
+  for (int64_t d = 0; d < dim; d += 8) {
+    v8 y[4];
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t)
+      std::memcpy(&y[t], b + t * stride + d, sizeof(v8));
+    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) {
+      v8 x;
+      std::memcpy(&x, a + r * dim + d, sizeof(v8));
+      _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) acc[r][t] += x * y[t];
+    }
+  }
+  _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) sum4(acc[r], out + r * out_stride);
+}
+
 inline void add_scaled(float* acc, const float* row, float weight, int64_t dim) {
   const v8 w = v8{} + weight;
   for (int64_t d = 0; d < dim; d += 8) {
@@ -287,6 +310,37 @@ void value_slab(const Problem& p, int64_t first, int64_t count, const float* w, 
   _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) aligned(acc + d0 + 8 * b) += sum[b];
 }
 
+// value_slab for float32 values, a full slab (SLAB channels) and ROWS query rows at once
+// (weights w + r * w_stride, sums into acc + r * acc_stride): each value block is loaded once
+// for all of them; every row's sums run in value_slab's order.
+template <int ROWS>
+void dense_value_rows(const Problem& p, int64_t first, int64_t count, const float* w,
+                      int64_t w_stride, int64_t d0, float* acc, int64_t acc_stride) {
+  constexpr int BLOCKS = SLAB / 8;
+  const int64_t quarter = count / 4;
+  v8 sum[ROWS][BLOCKS] = {};
+  auto add = [&](int64_t i) {
+    const float* values = p.v + (first + i) * p.dim + d0;
+    v8 weight[ROWS];
+    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) weight[r] = v8{} + w[r * w_stride + i];
+    _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) {
+      v8 x;
+      std::memcpy(&x, values + 8 * b, sizeof(v8));
+      _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) sum[r][b] += weight[r] * x;
+    }
+  };
+  for (int64_t i = 0; i < quarter; ++i)
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) add(i + t * quarter);
+  for (int64_t i = 4 * quarter; i < count; ++i) add(i);
+  _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r)
+    _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b)
+      aligned(acc + r * acc_stride + d0 + 8 * b) += sum[r][b];
+}
+
+// Query rows a dense value pass serves at once: 2 x 8 sums where AVX-512 gives 32 vector
+// registers, else 1 (value_slab).
+constexpr int VALUE_TILE = REGISTERS >= 32 ? 2 : 1;
+
 // Slab [d0, d0 + 8 blocks) through the value_slab that fits: GROUP blocks a scale group
 // where every group starts on a slab block (8: one group over the slab), else the general one.
 template <int BLOCKS>
@@ -399,7 +453,18 @@ void unit(const Problem& p, int64_t index) {
 #endif
   auto scores = [&](int64_t i, int64_t step, int keys) {
     const int64_t row = head + span_lo + i;
-    for (int64_t r = 0; r < R; ++r) {
+    int64_t r = 0;
+    if (p.k) {                                     // dense keys: QUERY_TILE rows at once
+      float dots[QUERY_TILE * 4];
+      for (; r + QUERY_TILE <= R; r += QUERY_TILE) {
+        dot4_rows<QUERY_TILE>(q + r * D, p.k + row * D, D, dots, 4, step * D);
+        for (int u = 0; u < QUERY_TILE; ++u) {
+          float* out = weights + (r + u) * C + i;
+          for (int t = 0; t < keys; ++t) out[t * step] = p.scale * dots[u * 4 + t];
+        }
+      }
+    }
+    for (; r < R; ++r) {
       float dots[4];
       if (p.k) {
         dot4(q + r * D, p.k + row * D, D, dots, step * D);
@@ -425,6 +490,12 @@ void unit(const Problem& p, int64_t index) {
                              &sums[r]);
   for (int64_t r = 0; r < R; ++r) {                // values: the same streams
     if (lo[r] >= hi[r]) continue;
+    if (VALUE_TILE > 1 && p.v && D % SLAB == 0 && r + 1 < R && lo[r + 1] < hi[r + 1]) {
+      for (int64_t d = 0; d < D; d += SLAB)          // rows r and r + 1 in one pass
+        dense_value_rows<2>(p, head + span_lo, count, weights + r * C, C, d, accs + r * D, D);
+      ++r;
+      continue;
+    }
     for (int64_t d = 0; d < D; d += SLAB)
       switch (std::min<int64_t>(D - d, SLAB) / 8) {
         case 8: value_slab_for<8>(p, head + span_lo, count, weights + r * C, d, accs + r * D); break;

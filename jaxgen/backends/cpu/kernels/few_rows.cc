@@ -6,8 +6,9 @@
 // AVX-512 gives 32 vector registers for the tile's accumulators), with every later group
 // reading it again from the L1/L2 cache, so M rows cost little more than one.
 //
-// One or two input rows take another path: each weight row read whole, one linear stream
-// (SmolLM2's 30 layers and head, one row: 26 -> 19-21 ms on a Zen 4 host, two rows 28 -> 24).
+// One input row takes another path, and two rows too except on Intel AVX-512 hosts
+// (few_rows.h, two_rows_by_tiles): each weight row read whole, one linear stream (SmolLM2's
+// 30 layers and head, one row: 26 -> 19-21 ms on a Zen 4 host, two rows 28 -> 24).
 //
 // The tiles, the streaming path and the thread-pool driver live in few_rows.h.
 #include "few_rows.h"
