@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct, fp32, a cache already holding `--position` tokens. For each width S
 the forward of S tokens (logits at every one, as speculative and tree verification need) is
-timed as a median of `--repeats`, in jaxgen's portable program (stacked layers, the path a
+timed as a median of `--repeats` with the cache carried from call to call (updated in place,
+as a decode loop carries it), in jaxgen's portable program (stacked layers, the path a
 GPU / TPU runs), in the CPU layout `layout="auto"` picks for S rows (per-layer weights and
 cache, the native few-row and decode-attention kernels where they are built), and in llama.cpp (an F32 GGUF written from
 the same weights, 2 threads) when llama-cpp-python is installed. Ratios are to each
@@ -14,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 
-import jax
 import jax.numpy as jnp
 from bench_ab import host_line
 from bench_speed import llama_cpp_f32_forward_seconds
-from bench_trained_drafters import median_seconds
+from bench_trained_drafters import carried_forward_seconds
 from report_table import table_header, table_row
 
 import jaxgen
@@ -37,10 +37,9 @@ def jaxgen_forward_seconds(model, params, width: int, position: int, layout: str
     if isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple)):
         # per-layer weights run a per-layer cache, attending through the native kernel
         cache = with_kernel_attention(to_layer_tuples(cache))
-    forward = jax.jit(lambda p, t, pos, c: model(p, t, pos, c).logits)
     tokens = jnp.zeros((1, width), jnp.int32)  # [1, S]
     positions = jnp.arange(position, position + width, dtype=jnp.int32)[None]  # [1, S]
-    return median_seconds(forward, params, tokens, positions, cache, runs=repeats)
+    return carried_forward_seconds(model, params, tokens, positions, cache, runs=repeats)
 
 
 def main() -> None:
