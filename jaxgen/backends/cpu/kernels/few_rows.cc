@@ -40,7 +40,8 @@ ffi::Error FewRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     std::fill(ys, ys + m * n, 0.0f);
     return ffi::Error::Success();
   }
-  run_blocks(pool, n, [=](int64_t begin, int64_t end) { block(xs, m, k, ws, ys, n, begin, end); });
+  run_blocks(pool, n, [=](int64_t begin, int64_t end) { block(xs, m, k, ws, ys, n, begin, end); },
+             block_rows_for(n, pool.num_threads()));
   return ffi::Error::Success();
 }
 

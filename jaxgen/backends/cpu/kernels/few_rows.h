@@ -103,16 +103,31 @@ void stream_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
   }
 }
 
-// Whether two input rows run the tiles rather than the streaming path: on Intel AVX-512
-// hosts (30 SmolLM2 layers, two rows: tiles 19.2-19.7 ms, streaming 21.8-23.9; one row level
-// at 18.6-19.9), not on AMD ones, where the streaming path was measured the faster.
-inline bool two_rows_by_tiles() {
+// Whether this is an AVX-512 build running on an Intel CPU (asked once, at run time): two
+// settings below were measured faster there; AMD hosts keep the ones measured on them.
+inline bool intel_avx512_host() {
 #ifdef __AVX512F__
-  static const bool intel = __builtin_cpu_is("intel");
+  static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
   return intel;
 #else
   return false;
 #endif
+}
+
+// Whether two input rows run the tiles rather than the streaming path: on Intel AVX-512
+// hosts (30 SmolLM2 layers, two rows: tiles 19.2-19.7 ms, streaming 21.8-23.9; one row level
+// at 18.6-19.9), not on AMD ones, where the streaming path was measured the faster.
+inline bool two_rows_by_tiles() { return intel_avx512_host(); }
+
+// Weight rows a claimed block of an n-row weight covers with `threads` threads: on Intel
+// AVX-512 hosts one contiguous share a thread, so each thread's reads are one long stream
+// (60 SmolLM2 layers from memory, 1 / 2 / 4 / 8 rows: 32.6-33.1 / 29.6-30.3 / 32.4-32.6 /
+// 37.7-40.0 ms against 34.9-35.4 / 33.3-33.5 / 36.3-36.4 / 41.7-42.5 with 64-row blocks;
+// 32- or 16-row blocks slower still); BLOCK_ROWS elsewhere.
+inline int64_t block_rows_for(int64_t n, int64_t threads) {
+  if (!intel_avx512_host()) return BLOCK_ROWS;
+  const int64_t share = (n + std::max<int64_t>(threads, 1) - 1) / std::max<int64_t>(threads, 1);
+  return std::max<int64_t>((share + 7) / 8 * 8, 8);  // whole tiles of up to 8 weight rows
 }
 
 // Input rows [0, ROWS) against weight rows [begin, end), COLS weight rows a tile.
