@@ -109,27 +109,12 @@ inline void sum4(const v8* acc, float* out) {
 #endif
 }
 
-// The dots of a with the 4 rows of b (4 x dim floats, contiguous) into out[0..3].
-inline void dot4(const float* a, const float* b, int64_t dim, float* out, int64_t stride) {
-  v8 acc[4] = {};
-  for (int64_t d = 0; d < dim; d += 8) {
-    v8 x;
-    std::memcpy(&x, a + d, sizeof(v8));
-    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
-      v8 y;
-      std::memcpy(&y, b + t * stride + d, sizeof(v8));
-      acc[t] += x * y;
-    }
-  }
-  sum4(acc, out);
-}
-
 // Query rows a dense score tile reads each key for: QUERY_TILE rows x 4 keys of accumulators
 // (16 on AVX-512's 32 vector registers, 8 on AVX2's 16) beside 4 key and 1 query operand.
 constexpr int QUERY_TILE = REGISTERS >= 32 ? 4 : 2;
 
-// dot4 for ROWS query rows (dim floats apart) at once: each key block is loaded once for all
-// of them. out + r * out_stride receives row r's 4 dots.
+// The dots of ROWS query rows (a, dim floats apart) with 4 key rows (b, stride floats apart):
+// each key block is loaded once for all of them; out + r * out_stride receives row r's 4.
 template <int ROWS>
 inline void dot4_rows(const float* a, const float* b, int64_t dim, float* out,
                       int64_t out_stride, int64_t stride) {
@@ -261,6 +246,16 @@ inline CodesDot codes_dot_for(int64_t blocks) {
   }
 }
 
+// add(i) for the `count` keys of a span in the order the value passes read them: the 4
+// quarters of the span as interleaved streams, then the last count % 4 keys.
+template <typename Add>
+inline __attribute__((always_inline)) void in_stream_order(int64_t count, Add&& add) {
+  const int64_t quarter = count / 4;
+  for (int64_t i = 0; i < quarter; ++i)
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) add(i + t * quarter);
+  for (int64_t i = 4 * quarter; i < count; ++i) add(i);
+}
+
 // One key's contribution to a slab of BLOCKS value blocks: sum[b] += weight * row[b], the
 // row float32 or int8 codes (GROUP blocks share a scale, the slab starting on a group's
 // first block; GROUP 0: scales[group[b]]).
@@ -297,16 +292,13 @@ inline void add_value(v8* sum, const Problem& p, int64_t row, int64_t d0, float 
 template <int BLOCKS, int GROUP>
 void value_slab(const Problem& p, int64_t first, int64_t count, const float* w, int64_t d0,
                 float* acc) {
-  const int64_t quarter = count / 4;
   const int64_t width = p.v ? p.dim : p.dim / p.value_groups;
   int64_t group[BLOCKS];                           // each block's scale group
   _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) group[b] = (d0 + 8 * b) / width;
   v8 sum[BLOCKS] = {};
-  for (int64_t i = 0; i < quarter; ++i)
-    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t)
-      add_value<BLOCKS, GROUP>(sum, p, first + i + t * quarter, d0, w[i + t * quarter], group);
-  for (int64_t i = 4 * quarter; i < count; ++i)
+  in_stream_order(count, [&](int64_t i) __attribute__((always_inline)) {
     add_value<BLOCKS, GROUP>(sum, p, first + i, d0, w[i], group);
+  });
   _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b) aligned(acc + d0 + 8 * b) += sum[b];
 }
 
@@ -317,9 +309,8 @@ template <int ROWS>
 void dense_value_rows(const Problem& p, int64_t first, int64_t count, const float* w,
                       int64_t w_stride, int64_t d0, float* acc, int64_t acc_stride) {
   constexpr int BLOCKS = SLAB / 8;
-  const int64_t quarter = count / 4;
   v8 sum[ROWS][BLOCKS] = {};
-  auto add = [&](int64_t i) {
+  in_stream_order(count, [&](int64_t i) __attribute__((always_inline)) {
     const float* values = p.v + (first + i) * p.dim + d0;
     v8 weight[ROWS];
     _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) weight[r] = v8{} + w[r * w_stride + i];
@@ -328,10 +319,7 @@ void dense_value_rows(const Problem& p, int64_t first, int64_t count, const floa
       std::memcpy(&x, values + 8 * b, sizeof(v8));
       _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r) sum[r][b] += weight[r] * x;
     }
-  };
-  for (int64_t i = 0; i < quarter; ++i)
-    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) add(i + t * quarter);
-  for (int64_t i = 4 * quarter; i < count; ++i) add(i);
+  });
   _Pragma("GCC unroll 4") for (int r = 0; r < ROWS; ++r)
     _Pragma("GCC unroll 8") for (int b = 0; b < BLOCKS; ++b)
       aligned(acc + r * acc_stride + d0 + 8 * b) += sum[r][b];
@@ -467,7 +455,7 @@ void unit(const Problem& p, int64_t index) {
     for (; r < R; ++r) {
       float dots[4];
       if (p.k) {
-        dot4(q + r * D, p.k + row * D, D, dots, step * D);
+        dot4_rows<1>(q + r * D, p.k + row * D, D, dots, 4, step * D);
       } else {
         const int8_t* codes = p.k_codes + row * D;
         const float* scales = p.k_scale + row * p.key_groups;

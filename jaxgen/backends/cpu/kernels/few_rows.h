@@ -32,9 +32,11 @@ constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share on
 // layers, 8 rows: 55 against 22 ms; no prefetch: 30 ms).
 constexpr int PREFETCH_TILES = 2;
 
-inline float sum_lanes(v8 v) {
+// The lanes of a float vector (8 or 16 lanes) summed in lane order.
+template <typename V>
+inline float sum_lanes(V v) {
   float total = 0.0f;
-  for (int lane = 0; lane < 8; ++lane) total += v[lane];
+  for (int lane = 0; lane < static_cast<int>(sizeof(V) / sizeof(float)); ++lane) total += v[lane];
   return total;
 }
 
@@ -126,7 +128,8 @@ inline bool two_rows_by_tiles() { return intel_avx512_host(); }
 // 32- or 16-row blocks slower still); BLOCK_ROWS elsewhere.
 inline int64_t block_rows_for(int64_t n, int64_t threads) {
   if (!intel_avx512_host()) return BLOCK_ROWS;
-  const int64_t share = (n + std::max<int64_t>(threads, 1) - 1) / std::max<int64_t>(threads, 1);
+  threads = std::max<int64_t>(threads, 1);
+  const int64_t share = (n + threads - 1) / threads;
   return std::max<int64_t>((share + 7) / 8 * 8, 8);  // whole tiles of up to 8 weight rows
 }
 

@@ -218,12 +218,8 @@ void block_dots(const Quantized& q, const uint8_t* row, const float* x, const fl
       }
     }
   }
-  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
-    const V sum = acc[r][0] + acc[r][1];
-    float total = 0.0f;
-    for (int lane = 0; lane < LANES; ++lane) total += sum[lane];
-    totals[r] = total;
-  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+    totals[r] = sum_lanes(acc[r][0] + acc[r][1]);
 }
 
 // 8 lanes as the first 8 of a V (8 or 16 lanes), the rest zero.
@@ -277,11 +273,7 @@ void group_dots(const Quantized& q, const uint8_t* row, const float* x, const fl
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
       acc[r] += ((part[r][0] + part[r][1]) + (part[r][2] + part[r][3])) * row_scales[g];
   }
-  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
-    float total = 0.0f;
-    for (int lane = 0; lane < LANES; ++lane) total += acc[r][lane];
-    totals[r] = total;
-  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) totals[r] = sum_lanes(acc[r]);
 }
 
 #if INT16_ROWS
