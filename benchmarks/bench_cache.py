@@ -39,6 +39,7 @@ from bench_generate import measure_bandwidth
 from report_table import table_header, table_row
 
 from jaxgen.backends.cpu.kernel_attention import with_kernel_attention, without_kernel_attention
+from jaxgen.backends.cpu import prepare
 from jaxgen.backends.cpu.layer_split import for_decoding
 from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
 from jaxgen.core.state import next_pow2
@@ -120,9 +121,9 @@ def run_one(label: str, context: int, steps: int, split: bool = True,
     cache = model.init_cache(1, capacity, kind=kind, cache_config=cache_config)
     cache = fill(cache, context, jax.random.key(1))
     nbytes = cache.nbytes()
-    # laid out once, as generate keeps the laid-out weights between calls (in the program
-    # for_decoding then finds them laid out already)
-    laid_out = for_decoding(model, params, rows=1, layout="auto")
+    # laid out once and placed (huge pages), as generate keeps the laid-out weights between
+    # calls (in the program for_decoding then finds them laid out already)
+    laid_out = prepare.on_huge_pages(params, for_decoding(model, params, rows=1, layout="auto"))
     decode = make_decode(model, steps, split, kernel_attention, held)
     if held:
         cache = to_layer_tuples(cache)

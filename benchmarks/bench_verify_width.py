@@ -22,7 +22,7 @@ from bench_trained_drafters import carried_forward_seconds
 from report_table import table_header, table_row
 
 import jaxgen
-from jaxgen.backends.cpu import layer_split
+from jaxgen.backends.cpu import layer_split, prepare
 from jaxgen.backends.cpu.kernel_attention import with_kernel_attention
 from jaxgen.cache.layer_forms import to_layer_tuples
 from jaxgen.models import DEFAULT_MODEL
@@ -31,8 +31,10 @@ from jaxgen.models import DEFAULT_MODEL
 def jaxgen_forward_seconds(model, params, width: int, position: int, layout: str,
                            repeats: int) -> float:
     """One batch-1 forward of `width` tokens over a cache of `position` tokens."""
-    if layout == "auto":  # the weights as the backend lays them out for `width` rows
-        params = layer_split.for_decoding(model, params, rows=width, layout="auto")
+    if layout == "auto":  # the weights as the backend lays them out for `width` rows and
+        # places them for a process that calls more than once (huge pages)
+        laid_out = layer_split.for_decoding(model, params, rows=width, layout="auto")
+        params = prepare.on_huge_pages(params, laid_out)
     cache = model.init_cache(1, position + width + 16)
     if isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple)):
         # per-layer weights run a per-layer cache, attending through the native kernel

@@ -66,7 +66,7 @@ def test_other_params_or_another_plan_lay_out_again_and_freed_params_free_the_co
     other = jax.tree_util.tree_map(lambda a: a * 1.0, params)  # new arrays, same values
     _generate(model, other, [[3, 1, 4], [1, 5]])
     assert len(calls) == 3
-    assert compiled._LAID_OUT and compiled._LAID_OUT[0][1][0]() is not None
+    assert compiled._LAID_OUT and compiled._LAID_OUT[0].refs[0]() is not None
     del other
     gc.collect()
     assert compiled._LAID_OUT == []  # the caller's arrays are gone: so is the laid-out copy

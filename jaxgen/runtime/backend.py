@@ -71,6 +71,14 @@ def with_layout(params, pieces, plan, layout: str):
     return _cpu(layout).with_layout(params, pieces, plan)
 
 
+def placed_for_streaming(params, laid_out, layout: str, stop=lambda: False):
+    """laid-out params (host arrays, not traced) re-placed where a backend reads them faster
+    step after step (XLA:CPU: on huge pages), or laid_out itself (also when `stop()` turns
+    true midway). Slow to make (it copies the weights): callers make it off the critical
+    path."""
+    return _cpu(layout).on_huge_pages(params, laid_out, stop)
+
+
 def prepare(model, params, state, rows: int | None, layer_tuples: bool, layout: str):
     """(params, state) as a program runs them, at the top of its trace."""
     backend = _cpu(layout)
@@ -151,5 +159,5 @@ def start_builds_for_load(weights: str, file_bytes: int | None) -> None:
 
 
 __all__ = ["LAYOUTS", "check_layout", "finish", "kernel_setting", "layout_pieces", "layout_plan",
-           "native_target_names", "prepare", "register_native_targets", "start_builds_for_load",
-           "start_native_build", "with_layout"]
+           "native_target_names", "placed_for_streaming", "prepare", "register_native_targets",
+           "start_builds_for_load", "start_native_build", "with_layout"]

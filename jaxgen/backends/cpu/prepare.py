@@ -6,6 +6,9 @@ calls, and the only entry into this package.
                                                kept per params and plan
     layout_pieces(params, plan)                traced: the arrays the layout computes
     with_layout(params, pieces, plan)          host or traced: params in that layout
+    on_huge_pages(params, laid_out)            host, in the background: the laid-out params
+                                               with the arrays a step streams copied onto
+                                               huge pages (huge_pages.py)
     prepare(model, params, state, rows,        traced, at the top of the program: params laid
             layer_tuples, layout)              out (unless laid out already) and, with per-layer
                                                weights, the cache held as per-layer buffers,
@@ -26,7 +29,9 @@ Example:
 """
 from __future__ import annotations
 
-from jaxgen.backends.cpu import layer_split
+import jax
+
+from jaxgen.backends.cpu import huge_pages, layer_split
 from jaxgen.backends.cpu.kernel_attention import with_kernel_attention, without_kernel_attention
 from jaxgen.cache.layer_forms import to_layer_tuples, to_stacked_layers
 
@@ -45,6 +50,23 @@ def layout_pieces(params, plan: tuple):
 def with_layout(params, pieces, plan: tuple):
     """params laid out as `layout_pieces` computed them (no array work)."""
     return layer_split.with_split_pieces(params, pieces, kernel=dict(plan)["kernel"])
+
+
+def on_huge_pages(params, laid_out, stop=lambda: False):
+    """laid_out with the arrays every decode step streams read from copies on huge pages: the
+    layout's own arrays (no longer the caller's: the copy replaces them) and the head's (a
+    tied head's embedding is the caller's; its copy serves the embedding lookup too). The
+    caller's other arrays stay as they are. laid_out itself where the host gives no huge
+    pages, or when `stop()` turns true midway. Values, shapes, dtypes and devices are unchanged
+    (no program compiles again)."""
+    own = {id(leaf) for leaf in jax.tree_util.tree_leaves(params)}
+    head = {id(leaf) for leaf in jax.tree_util.tree_leaves(laid_out.get("lm_head"))}
+    streamed = [leaf for leaf in jax.tree_util.tree_leaves(laid_out)
+                if id(leaf) not in own or id(leaf) in head]
+    copies = huge_pages.on_huge_pages(streamed, stop)
+    if not copies:
+        return laid_out
+    return jax.tree_util.tree_map(lambda leaf: copies.get(id(leaf), leaf), laid_out)
 
 
 def prepare(model, params, state, rows: int | None, layer_tuples: bool, layout: str):
@@ -69,4 +91,5 @@ def finish(state, stack: bool = True):
     return state.replace(cache=to_stacked_layers(cache) if stack else cache)
 
 
-__all__ = ["finish", "layout_pieces", "layout_plan", "prepare", "with_layout"]
+__all__ = ["finish", "layout_pieces", "layout_plan", "on_huge_pages", "prepare",
+           "with_layout"]
