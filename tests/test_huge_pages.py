@@ -83,6 +83,24 @@ def test_no_copies_where_the_system_gives_no_huge_pages_or_the_caller_stops(monk
                                     stop=lambda: asked.append(1) or len(asked) > 1) == {}
     assert len(asked) == 2  # asked before each array; the second answer stopped it
     assert huge_pages.on_huge_pages([small, jnp.ones(3)]) == {}  # nothing large enough
+    # too little memory to spare: the 3 arrays take 4 + 1 + 2 huge pages, + a quarter + 512 MiB
+    needed = 7 * huge_pages.HUGE_PAGE * 1.25 + huge_pages.SPARE_BYTES
+    monkeypatch.setattr(huge_pages, "available_bytes", lambda: int(needed) - 1)
+    assert huge_pages.on_huge_pages([big, codes, matrix]) == {}
+    monkeypatch.setattr(huge_pages, "available_bytes", lambda: None)
+    assert huge_pages.on_huge_pages([big, codes, matrix]) == {}
+    monkeypatch.setattr(huge_pages, "available_bytes", lambda: int(needed))
+    assert len(huge_pages.on_huge_pages([big, codes, matrix])) == (3 if LINUX else 0)
+
+
+def test_available_bytes_reads_meminfo(monkeypatch, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683748 kB\nMemFree:        2000 kB\n"
+                       "MemAvailable:   1234 kB\n")
+    monkeypatch.setattr(huge_pages, "_MEMINFO", meminfo)
+    assert huge_pages.available_bytes() == 1234 * 1024
+    meminfo.write_text("MemTotal:       24683748 kB\n")
+    assert huge_pages.available_bytes() is None
 
 
 def test_thp_mode_reads_the_bracketed_choice(monkeypatch, tmp_path):

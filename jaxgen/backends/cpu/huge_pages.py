@@ -8,6 +8,7 @@ allocates with malloc, which gets huge pages only where the system's THP mode is
 under "madvise" (the common default) this copy is how weights get them.
 
     thp_mode()                  the system's THP mode: "always", "madvise", "never", or None
+    available_bytes()           MemAvailable (bytes), or None
     on_huge_pages(arrays, stop) {id(array): its copy on huge pages} for the CPU arrays of at
                                 least HUGE_PAGE bytes (one mapping for all of them), or {}
 
@@ -35,6 +36,10 @@ import numpy as np
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB base pages) transparent huge page
 _THP_ENABLED = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_MEMINFO = pathlib.Path("/proc/meminfo")
+# The copy is made only while the system has this much memory to spare beyond it (the
+# originals stay alive until the copy replaces them: a copy must never bring the OOM killer).
+SPARE_FRACTION, SPARE_BYTES = 0.25, 512 << 20
 
 
 def thp_mode() -> str | None:
@@ -46,6 +51,17 @@ def thp_mode() -> str | None:
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else None
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read."""
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _advise_huge(mapping: mmap.mmap) -> bool:
@@ -75,8 +91,9 @@ def on_huge_pages(arrays, stop=lambda: False) -> dict[int, jax.Array]:
     """{id(array): copy} for each distinct single-device CPU jax.Array of at least HUGE_PAGE
     bytes among `arrays`, all copied into one anonymous mapping advised for huge pages, each
     starting on a huge-page boundary; {} where the system gives no huge pages this way (THP
-    "never", no mmap.madvise) or jax would copy the bytes again instead of reading them in
-    place. Each copy holds the same values (same shape, dtype and device) as its original;
+    "never", no mmap.madvise), has too little memory to spare for the copy (MemAvailable
+    below its size x (1 + SPARE_FRACTION) + SPARE_BYTES) or jax would copy the bytes again
+    instead of reading them in place. Each copy holds the same values (same shape, dtype and device) as its original;
     the mapping lives as long as any copy does. `stop()` is asked before each array: true
     abandons the copy ({}).
     """
@@ -90,6 +107,9 @@ def on_huge_pages(arrays, stop=lambda: False) -> dict[int, jax.Array]:
     if not chosen or thp_mode() == "never":
         return {}
     slots = [-(-array.nbytes // HUGE_PAGE) * HUGE_PAGE for array in chosen]
+    spare = available_bytes()
+    if spare is None or spare < sum(slots) * (1 + SPARE_FRACTION) + SPARE_BYTES:
+        return {}
     mapping = mmap.mmap(-1, sum(slots) + HUGE_PAGE,
                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if not _advise_huge(mapping):
@@ -115,4 +135,5 @@ def on_huge_pages(arrays, stop=lambda: False) -> dict[int, jax.Array]:
     return copies
 
 
-__all__ = ["HUGE_PAGE", "on_huge_pages", "thp_mode"]
+__all__ = ["HUGE_PAGE", "SPARE_BYTES", "SPARE_FRACTION", "available_bytes", "on_huge_pages",
+           "thp_mode"]

@@ -19,6 +19,14 @@ namespace ffi = xla::ffi;
 namespace jaxgen_rows {
 
 typedef float v8 __attribute__((vector_size(32)));  // 8 floats; AVX where the CPU has it
+#ifdef __AVX512F__
+typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register
+// The tiles' vectors: 16 lanes, half the instructions of 8 (30 SmolLM2 layers, 2 / 4 / 8 /
+// 16 rows: 18.8 / 21.5 / 25.3 / 33.8 ms against 19.9 / 22.7 / 26.3 / 37.6 in 8 lanes, Intel)
+typedef v16 TileVector;
+#else
+typedef v8 TileVector;
+#endif
 
 constexpr int BLOCK_ROWS = 64;     // weight rows a claimed block covers
 #ifdef __AVX512F__
@@ -27,6 +35,10 @@ constexpr int REGISTERS = 32;      // vector registers (AVX-512 gives 32 to 8-fl
 constexpr int REGISTERS = 16;
 #endif
 constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share one weight pass
+// With 32 registers, 16 input rows share a pass as well, in tiles of one weight row (16 sums,
+// the inputs read from L1 by the products themselves): 30 SmolLM2 layers at 16 rows 31.8 ms
+// against 34.7 as two groups of 8 (Intel AVX-512 host). 0: none (16 registers).
+constexpr int WIDE_ROWS = REGISTERS >= 32 ? 16 : 0;
 // How many tiles ahead the weight rows are prefetched, into every cache level: a
 // non-temporal prefetch made 3 to 8 rows 2.3-2.5x slower on an Intel AVX-512 host (30 SmolLM2
 // layers, 8 rows: 55 against 22 ms; no prefetch: 30 ms).
@@ -40,32 +52,51 @@ inline float sum_lanes(V v) {
   return total;
 }
 
+// The lanes of a float vector (8 or 16 lanes) summed as a tree: halves added until one lane
+// is left (3 or 4 dependent adds against sum_lanes' 7 or 15; a tile reduces ROWS * COLS sums
+// a few hundred products long, where the lane-order sum cost as much as the products).
+inline float tree_sum(v8 v) {
+  typedef float v4 __attribute__((vector_size(16)));
+  typedef float v2 __attribute__((vector_size(8)));
+  const v4 four = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const v2 two = __builtin_shufflevector(four, four, 0, 1) + __builtin_shufflevector(four, four, 2, 3);
+  return two[0] + two[1];
+}
+#ifdef __AVX512F__
+inline float tree_sum(v16 v) {
+  return tree_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+#endif
+
 // ROWS input rows x COLS weight rows: ROWS * COLS dot products of length k.
 template <int ROWS, int COLS>
 inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
                  const float* w_end) {
-  v8 acc[ROWS][COLS];
+  typedef TileVector V;
+  constexpr int LANES = sizeof(V) / sizeof(float);
+  V acc[ROWS][COLS];
   _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
-    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) acc[r][c] = v8{};
-  const int64_t k8 = k - k % 8;
-  for (int64_t i = 0; i < k8; i += 8) {
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) acc[r][c] = V{};
+  const int64_t k_vectors = k - k % LANES;
+  for (int64_t i = 0; i < k_vectors; i += LANES) {
     _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
       const float* ahead = w + (c + PREFETCH_TILES * COLS) * k + i;
       if (ahead < w_end) __builtin_prefetch(ahead, 0, 3);  // into every level (T0)
     }
-    v8 xv[ROWS];
+    V xv[ROWS];
     _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
-      std::memcpy(&xv[r], x + r * k + i, sizeof(v8));
+      std::memcpy(&xv[r], x + r * k + i, sizeof(V));
     _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
-      v8 wv;
-      std::memcpy(&wv, w + c * k + i, sizeof(v8));
+      V wv;
+      std::memcpy(&wv, w + c * k + i, sizeof(V));
       _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) acc[r][c] += xv[r] * wv;
     }
   }
   _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
     _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
-      float total = sum_lanes(acc[r][c]);
-      for (int64_t i = k8; i < k; ++i) total += x[r * k + i] * w[c * k + i];
+      float total = tree_sum(acc[r][c]);
+      for (int64_t i = k_vectors; i < k; ++i) total += x[r * k + i] * w[c * k + i];
       y[r * n + c] = total;
     }
 }
@@ -138,7 +169,7 @@ template <int ROWS>
 void tiled_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
                 int64_t begin, int64_t end, const float* w_end) {
   // accumulators (ROWS * COLS) + operands (ROWS + COLS) within the vector registers
-  constexpr int COLS = REGISTERS >= 32 && ROWS <= 4 ? 4 : 2;
+  constexpr int COLS = ROWS > 8 ? 1 : REGISTERS >= 32 && ROWS <= 4 ? 4 : 2;
   int64_t col = begin;
   for (; col + COLS <= end; col += COLS) tile<ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
   for (; col < end; ++col) tile<ROWS, 1>(x, k, w + col * k, y + col, n, w_end);
@@ -162,8 +193,21 @@ void weight_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
 
 inline void block(const float* x, int64_t m, int64_t k, const float* w, float* y, int64_t n,
            int64_t begin, int64_t end) {
+  if (m > GROUP_ROWS && end - begin > BLOCK_ROWS) {
+    // several passes read each weight row: BLOCK_ROWS rows at a time, so the passes after
+    // the first read them from L1 / L2, not again from memory (a whole share a thread on
+    // Intel AVX-512 hosts is megabytes: 30 layers at 16 rows in two groups of 8, 37.2 ms
+    // against 39.3)
+    for (int64_t part = begin; part < end; part += BLOCK_ROWS)
+      block(x, m, k, w, y, n, part, std::min(part + BLOCK_ROWS, end));
+    return;
+  }
   const float* w_end = w + n * k;
   int64_t row = 0;
+  if constexpr (WIDE_ROWS > 0) {
+    for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
+      tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
+  }
   for (; row + GROUP_ROWS <= m; row += GROUP_ROWS)
     weight_rows<GROUP_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
   const float* xr = x + row * k;

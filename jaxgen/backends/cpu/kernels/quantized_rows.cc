@@ -149,7 +149,6 @@ struct RowValues {
 };
 
 #ifdef __AVX512F__
-typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register
 
 // 32 codes from input i of a row -> 2 x 16 floats (inputs i .. i + 15, i + 16 .. i + 31).
 template <bool NIBBLES>
