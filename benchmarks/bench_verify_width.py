@@ -3,22 +3,26 @@
 SmolLM2-135M-Instruct, fp32, a cache already holding `--position` tokens. For each width S
 the forward of S tokens (logits at every one, as speculative and tree verification need) is
 timed as a median of `--repeats` with the cache carried from call to call (updated in place,
-as a decode loop carries it), in jaxgen's portable program (stacked layers, the path a
-GPU / TPU runs), in the CPU layout `layout="auto"` picks for S rows (per-layer weights and
-cache, the native few-row and decode-attention kernels where they are built), and in llama.cpp (an F32 GGUF written from
-the same weights, 2 threads) when llama-cpp-python is installed. Ratios are to each
-system's own S = 1; the host line names the CPU's vector flags and the bandwidth probe.
+as a decode loop carries it), the widths in turns: in jaxgen's portable program (stacked
+layers, the path a GPU / TPU runs), in the CPU layout `layout="auto"` picks for S rows
+(per-layer weights and cache, the native few-row and decode-attention kernels where they are
+built; the weights placed on huge pages as a process's third call reads them), and in
+llama.cpp (an F32 GGUF written from the same weights, 2 threads) when llama-cpp-python is
+installed. Ratios are to each system's own S = 1; the host line names the CPU's vector flags
+and the bandwidth probe.
 
     python benchmarks/bench_verify_width.py [--widths 1 2 4 8 16] [--position 128] [--repeats 15]
 """
 from __future__ import annotations
 
 import argparse
+import time
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from bench_ab import host_line
 from bench_speed import llama_cpp_f32_forward_seconds
-from bench_trained_drafters import carried_forward_seconds
 from report_table import table_header, table_row
 
 import jaxgen
@@ -28,20 +32,45 @@ from jaxgen.cache.layer_forms import to_layer_tuples
 from jaxgen.models import DEFAULT_MODEL
 
 
-def jaxgen_forward_seconds(model, params, width: int, position: int, layout: str,
-                           repeats: int) -> float:
-    """One batch-1 forward of `width` tokens over a cache of `position` tokens."""
-    if layout == "auto":  # the weights as the backend lays them out for `width` rows and
-        # places them for a process that calls more than once (huge pages)
-        laid_out = layer_split.for_decoding(model, params, rows=width, layout="auto")
-        params = prepare.on_huge_pages(params, laid_out)
-    cache = model.init_cache(1, position + width + 16)
-    if isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple)):
-        # per-layer weights run a per-layer cache, attending through the native kernel
-        cache = with_kernel_attention(to_layer_tuples(cache))
-    tokens = jnp.zeros((1, width), jnp.int32)  # [1, S]
-    positions = jnp.arange(position, position + width, dtype=jnp.int32)[None]  # [1, S]
-    return carried_forward_seconds(model, params, tokens, positions, cache, runs=repeats)
+class CarriedForward:
+    """A batch-1 forward of `width` tokens over a cache of `position` tokens, its cache
+    carried from call to call (donated, updated in place) as a decode loop carries it;
+    `time_once()` times one call."""
+
+    def __init__(self, model, params, width: int, position: int, layout: str):
+        if layout == "auto":  # the weights as the backend lays them out for `width` rows and
+            # places them for a process that calls more than once (huge pages)
+            laid_out = layer_split.for_decoding(model, params, rows=width, layout="auto")
+            params = prepare.on_huge_pages(params, laid_out)
+        cache = model.init_cache(1, position + width + 16)
+        if isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple)):
+            # per-layer weights run a per-layer cache, attending through the native kernel
+            cache = with_kernel_attention(to_layer_tuples(cache))
+        self.tokens = jnp.zeros((1, width), jnp.int32)  # [1, S]
+        self.positions = jnp.arange(position, position + width, dtype=jnp.int32)[None]  # [1, S]
+
+        def forward(p, t, pos, c):
+            out = model(p, t, pos, c)
+            return out.logits, out.cache
+
+        self.params, self.fn = params, jax.jit(forward, donate_argnums=3)
+        _, self.cache = self.fn(params, self.tokens, self.positions, cache)  # compiled
+
+    def time_once(self) -> float:
+        start = time.perf_counter()
+        _, self.cache = jax.block_until_ready(
+            self.fn(self.params, self.tokens, self.positions, self.cache))
+        return time.perf_counter() - start
+
+
+def interleaved_seconds(forwards: dict, repeats: int, rounds: int = 5) -> dict:
+    """{width: median seconds} with the widths timed in turns (`rounds` turns of
+    repeats / rounds calls each), so a host's drift hits every width alike."""
+    times = {width: [] for width in forwards}
+    for _ in range(rounds):
+        for width, forward in forwards.items():
+            times[width] += [forward.time_once() for _ in range(max(1, repeats // rounds))]
+    return {width: float(np.median(t)) for width, t in times.items()}
 
 
 def main() -> None:
@@ -56,8 +85,9 @@ def main() -> None:
     rows = {}
     for name, layout in (("jaxgen portable (stacked)", "portable"),
                          ("jaxgen layout=auto (per-layer, kernels)", "auto")):
-        rows[name] = {w: jaxgen_forward_seconds(model, params, w, args.position, layout,
-                                                args.repeats) for w in widths}
+        forwards = {w: CarriedForward(model, params, w, args.position, layout) for w in widths}
+        rows[name] = interleaved_seconds(forwards, args.repeats)
+        del forwards
     llama = llama_cpp_f32_forward_seconds(widths, args.position, args.repeats)
     if llama is not None:
         rows["llama.cpp F32"] = llama
