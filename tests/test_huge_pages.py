@@ -13,11 +13,42 @@ import pytest
 
 import jaxgen
 from jaxgen.backends.cpu import huge_pages, layer_split
+from jaxgen.drivers.streamers import BaseStreamer
 from jaxgen.models import tiny_llama
 from jaxgen.runtime import backend, compiled
 
-LINUX = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
-linux_only = pytest.mark.skipif(not LINUX, reason="transparent huge pages are Linux's")
+
+class Quiet(BaseStreamer):
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+LINUX = (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
+         and huge_pages.thp_mode() is not None)
+linux_only = pytest.mark.skipif(not LINUX, reason="transparent huge pages: a Linux kernel with THP")
+
+
+AVAILABLE_BYTES = huge_pages.available_bytes  # the real one (the fixture below stands in)
+
+
+@pytest.fixture(autouse=True)
+def _memory_to_spare(monkeypatch):
+    """As if the host had memory to spare for every copy (a test that wants less says so)."""
+    monkeypatch.setattr(huge_pages, "available_bytes", lambda: 1 << 40)
+
+
+def _compiles():
+    """A list that grows by one for every XLA compilation from now on, and its remover."""
+    seen = []
+
+    def listener(event, duration, **_):
+        if event.endswith("backend_compile_duration"):
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return seen, lambda: jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _vma_flags(address: int) -> list[str]:
@@ -36,7 +67,8 @@ def _vma_flags(address: int) -> list[str]:
 def _arrays():
     big = jnp.arange(3 * huge_pages.HUGE_PAGE // 4 + 5, dtype=jnp.float32)  # 3 pages + 20 B
     codes = (jnp.arange(huge_pages.HUGE_PAGE, dtype=jnp.int32) % 251).astype(jnp.int8)
-    matrix = jax.random.normal(jax.random.key(0), (1024, 600))  # 2.3 MiB
+    matrix = jax.device_put(jax.random.normal(jax.random.key(0), (1024, 600)),  # 2.3 MiB
+                            jax.devices()[0])  # committed, as the others are not
     small = jnp.ones((10, 10))
     return big, codes, matrix, small
 
@@ -50,8 +82,8 @@ def test_copies_hold_the_values_each_on_a_huge_page_boundary_of_one_advised_mapp
     addresses = []
     for original in (big, codes, matrix):
         copy = copies[id(original)]
-        assert (copy.shape, copy.dtype, copy.devices()) == (original.shape, original.dtype,
-                                                             original.devices())
+        assert (copy.shape, copy.dtype, copy.devices(), copy.committed) == (
+            original.shape, original.dtype, original.devices(), original.committed)
         np.testing.assert_array_equal(np.asarray(copy), np.asarray(original))
         address = copy.unsafe_buffer_pointer()
         assert address % huge_pages.HUGE_PAGE == 0
@@ -91,6 +123,7 @@ def test_no_copies_where_the_system_gives_no_huge_pages_or_the_caller_stops(monk
     assert huge_pages.on_huge_pages([big, codes, matrix]) == {}
     monkeypatch.setattr(huge_pages, "available_bytes", lambda: int(needed))
     assert len(huge_pages.on_huge_pages([big, codes, matrix])) == (3 if LINUX else 0)
+    assert huge_pages.on_huge_pages([big, codes, matrix], stop=lambda: True) == {}
 
 
 def test_available_bytes_reads_meminfo(monkeypatch, tmp_path):
@@ -98,9 +131,9 @@ def test_available_bytes_reads_meminfo(monkeypatch, tmp_path):
     meminfo.write_text("MemTotal:       24683748 kB\nMemFree:        2000 kB\n"
                        "MemAvailable:   1234 kB\n")
     monkeypatch.setattr(huge_pages, "_MEMINFO", meminfo)
-    assert huge_pages.available_bytes() == 1234 * 1024
+    assert AVAILABLE_BYTES() == 1234 * 1024
     meminfo.write_text("MemTotal:       24683748 kB\n")
-    assert huge_pages.available_bytes() is None
+    assert AVAILABLE_BYTES() is None
 
 
 def test_thp_mode_reads_the_bracketed_choice(monkeypatch, tmp_path):
@@ -145,16 +178,42 @@ def test_the_second_call_places_the_kept_weights_and_later_calls_read_them_unrec
     moved = [new for old, new in zip(before, after) if new is not old]
     assert moved and all(new.unsafe_buffer_pointer() % huge_pages.HUGE_PAGE == 0
                          for new in moved)
+    assert all(new.committed == old.committed for old, new in zip(before, after))
     own = {id(leaf) for leaf in jax.tree_util.tree_leaves(params)}
     head = jax.tree_util.tree_leaves(placed["lm_head"])
     assert head and all(id(leaf) not in own for leaf in head)  # the head streams: copied
-    # the embedding: copied when it is the (tied) head, the same copy; else the caller's
+    # the embedding: copied when the (tied) head reads it, one copy for both; else the caller's
     assert (id(placed["embed"]) in own) is not tied
-    assert (placed["embed"] is head[0]) is tied
+    assert any(leaf is placed["embed"] for leaf in head) is tied
     assert id(placed["final_norm"]) in own  # small: the caller's
     traces = jaxgen.trace_count()
-    np.testing.assert_array_equal(_generate(model, params, prompts), expected)
-    assert jaxgen.trace_count() == traces  # the placed copy runs the compiled program
+    compiles, stop_counting = _compiles()
+    try:
+        np.testing.assert_array_equal(_generate(model, params, prompts), expected)
+    finally:
+        stop_counting()
+    assert jaxgen.trace_count() == traces and compiles == []  # the compiled program runs it
+    compiled._LAID_OUT.clear()
+
+
+@linux_only
+def test_a_chunked_call_counts_once_and_the_second_call_places(monkeypatch):
+    monkeypatch.setattr(layer_split, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    compiled._LAID_OUT.clear()
+    model, params = _large_tiny_model()
+    cfg = jaxgen.GenerationConfig(max_new_tokens=6, pad_token_id=0)
+
+    def streamed():
+        state = jaxgen.init_state(model, [[3, 1, 4], [1, 5]], cfg)
+        return jaxgen.generate(params, state, cfg, streamer=[Quiet(), Quiet()]).sequences
+
+    first = streamed()  # one call in several chunks (start, then advance a chunk)
+    assert compiled._LAID_OUT[0].calls == 1 and compiled._LAID_OUT[0].placing is None
+    np.testing.assert_array_equal(streamed(), first)
+    assert compiled._LAID_OUT[0].placing is not None  # the second call places
+    assert compiled.wait_for_placement(timeout=120)
+    np.testing.assert_array_equal(streamed(), first)
     compiled._LAID_OUT.clear()
 
 

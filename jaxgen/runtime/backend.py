@@ -76,7 +76,8 @@ def placed_for_streaming(params, laid_out, layout: str, stop=lambda: False):
     step after step (XLA:CPU: on huge pages), or laid_out itself (also when `stop()` turns
     true midway). Slow to make (it copies the weights): callers make it off the critical
     path."""
-    return _cpu(layout).on_huge_pages(params, laid_out, stop)
+    cpu = _cpu(layout)
+    return laid_out if cpu is None else cpu.on_huge_pages(params, laid_out, stop)
 
 
 def prepare(model, params, state, rows: int | None, layer_tuples: bool, layout: str):

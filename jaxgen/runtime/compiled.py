@@ -83,15 +83,17 @@ class _Kept:
     key: tuple  # (ids of the caller's leaves, plan, layout)
     refs: list  # weak references to the caller's leaves
     laid_out: object  # the laid-out params; replaced by their placed copy once it is made
-    placing: threading.Thread | None = None  # makes the placed copy (started on a second use)
+    calls: int = 0  # generate calls that began with this entry (a chunked call counts once)
+    placing: threading.Thread | None = None  # makes the placed copy (started by a second call)
 
 
 _LAID_OUT: list = []  # [] or [_Kept]
 _LAID_OUT_LOCK = threading.RLock()  # a finalizer may run on the thread that holds it
 _EXITING = threading.Event()  # set at interpreter exit: a placing thread stops between arrays
+_PLACING: set = set()  # placing threads still running (an old entry's too), joined at exit
 
 
-def _laid_out(params, state, loop, cfg, layout):
+def _laid_out(params, state, loop, cfg, layout, begins_call: bool = True):
     """params in the layout the backend plans for this program, computed by its own compiled
     call and kept for the next call with the same arrays (the same plan), so a generate call
     does not slice, fuse and transpose the weights again (0.3-0.5 s a call for SmolLM2 on a
@@ -99,10 +101,12 @@ def _laid_out(params, state, loop, cfg, layout):
     are, are returned unchanged. One entry: the laid-out copy lives until other params are laid
     out or the caller's layer arrays are freed.
 
-    The second call that finds the copy starts a background thread that re-places it where the
+    The second generate call that uses the copy (`begins_call`: the entries that begin a call,
+    not a chunked call's later chunks) starts a background thread that re-places it where the
     backend streams it faster (`backend.placed_for_streaming`: XLA:CPU copies it onto huge
-    pages); calls after that thread finishes read the placed copy (same values, shapes and
-    devices: nothing compiles again). A one-call process never pays for the copy.
+    pages); calls after that thread finishes read the placed copy (same values, shapes,
+    devices and commitment: nothing compiles again). A one-call process never pays for the
+    copy.
 
     Example:
         >>> import jaxgen
@@ -126,16 +130,19 @@ def _laid_out(params, state, loop, cfg, layout):
         if _LAID_OUT and _LAID_OUT[0].key == key and all(
                 ref() is leaf for ref, leaf in zip(_LAID_OUT[0].refs, leaves)):
             kept = _LAID_OUT[0]
-            if kept.placing is None and not _EXITING.is_set():
+            kept.calls += begins_call
+            if kept.calls >= 2 and kept.placing is None and not _EXITING.is_set():
                 kept.placing = threading.Thread(target=_place, args=(kept, params, layout),
                                                 name="jaxgen-place-weights", daemon=True)
+                _PLACING.add(kept.placing)
                 kept.placing.start()
             return kept.laid_out
         _LAID_OUT.clear()  # the old copy goes before the new one is made
         pieces = executable_cache.call("layout_pieces", _layout_pieces_jit, (params,),
                                        loop=plan, layout=layout)
         laid_out = backend.with_layout(params, pieces, plan, layout)
-        _LAID_OUT.append(_Kept(key, [weakref.ref(leaf) for leaf in leaves], laid_out))
+        _LAID_OUT.append(_Kept(key, [weakref.ref(leaf) for leaf in leaves], laid_out,
+                               calls=int(begins_call)))
     # a layer array: the laid-out copy holds the caller's other arrays (the embedding), never
     # these, so this one is freed when the caller lets go
     weakref.finalize(jax.tree_util.tree_leaves(params["layers"])[0], _forget, key)
@@ -144,14 +151,19 @@ def _laid_out(params, state, loop, cfg, layout):
 
 def _place(kept: _Kept, params, layout) -> None:
     """The placing thread: swaps the kept copy for its placed copy, unless the entry went
-    meanwhile. A failure (no memory for the copy) leaves the laid-out copy serving, with a
-    warning."""
+    meanwhile (then it stops after the array it copies). A failure (no memory for the copy)
+    leaves the laid-out copy serving, with a warning."""
+    def stop() -> bool:
+        return _EXITING.is_set() or not (_LAID_OUT and _LAID_OUT[0] is kept)
+
     try:
-        placed = backend.placed_for_streaming(params, kept.laid_out, layout, _EXITING.is_set)
+        placed = backend.placed_for_streaming(params, kept.laid_out, layout, stop)
     except Exception as err:  # noqa: BLE001 - any failure: the unplaced copy still serves
         warnings.warn(f"jaxgen: the laid-out weights stay where XLA put them ({err!r})",
                       RuntimeWarning, stacklevel=1)
         return
+    finally:
+        _PLACING.discard(threading.current_thread())
     with _LAID_OUT_LOCK:
         if _LAID_OUT and _LAID_OUT[0] is kept:
             kept.laid_out = placed
@@ -169,9 +181,10 @@ def wait_for_placement(timeout: float | None = None) -> bool:
 
 @atexit.register
 def _stop_placing() -> None:
-    """At exit a placing thread stops after the array it copies (it never outlives jax)."""
+    """At exit every placing thread stops after the array it copies (none outlives jax)."""
     _EXITING.set()
-    wait_for_placement(timeout=60.0)
+    for thread in list(_PLACING):
+        thread.join(timeout=60.0)
 
 
 def _forget(key) -> None:
@@ -332,7 +345,7 @@ def start(params, state, cfg, inputs, *, loop, layout="auto"):
 
 
 def advance(params, state, carry, begin, end, cfg, inputs, *, loop, layout="auto"):
-    params = _laid_out(params, state, loop, cfg, layout)
+    params = _laid_out(params, state, loop, cfg, layout, begins_call=False)  # a later chunk
     return _call("advance", (params, state, carry, begin, end, cfg, inputs), loop=loop,
                  layout=layout)
 
@@ -352,7 +365,7 @@ def runs_layers_apart(params, state, loop, cfg, layout="auto") -> bool:
         >>> runs_layers_apart(params, jaxgen.init_state(model, [[1, 2]], cfg), DecodeLoop(), cfg)
         False
     """
-    return backend.layers_apart(_laid_out(params, state, loop, cfg, layout))
+    return backend.layers_apart(_laid_out(params, state, loop, cfg, layout, begins_call=False))
 
 
 def cache_apart(cache):

@@ -94,7 +94,8 @@ def on_huge_pages(arrays, stop=lambda: False) -> dict[int, jax.Array]:
     "never", no mmap.madvise), has too little memory to spare for the copy (MemAvailable
     below its size x (1 + SPARE_FRACTION) + SPARE_BYTES) or jax would copy the bytes again
     instead of reading them in place. Each copy holds the same values (same shape, dtype and device) as its original;
-    the mapping lives as long as any copy does. `stop()` is asked before each array: true
+    the mapping lives as long as any copy does. A copy is committed to its device exactly when
+    its original is. `stop()` is asked before each array: true
     abandons the copy ({}).
     """
     chosen, seen = [], set()
@@ -127,7 +128,8 @@ def on_huge_pages(arrays, stop=lambda: False) -> dict[int, jax.Array]:
             continue
         view = whole[offset:offset + array.nbytes].view(host.dtype).reshape(host.shape)
         np.copyto(view, host)
-        copy = jax.device_put(view, next(iter(array.devices())))
+        # committed as the original is (jit keys on it: a changed commitment compiles again)
+        copy = jax.device_put(view, array.sharding if array.committed else None)
         if copy.unsafe_buffer_pointer() != _address(view):  # jax copied it: no gain
             return {}
         copies[id(array)] = copy

@@ -57,15 +57,18 @@ inline float sum_lanes(V v) {
 // a few hundred products long, where the lane-order sum cost as much as the products).
 inline float tree_sum(v8 v) {
   typedef float v4 __attribute__((vector_size(16)));
-  typedef float v2 __attribute__((vector_size(8)));
-  const v4 four = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  const v2 two = __builtin_shufflevector(four, four, 0, 1) + __builtin_shufflevector(four, four, 2, 3);
-  return two[0] + two[1];
+  v4 low, high;  // halves by memcpy, which GCC 11 and clang read as register moves
+  std::memcpy(&low, &v, sizeof(v4));
+  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(v4), sizeof(v4));
+  const v4 four = low + high;
+  return (four[0] + four[2]) + (four[1] + four[3]);
 }
 #ifdef __AVX512F__
 inline float tree_sum(v16 v) {
-  return tree_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  v8 low, high;
+  std::memcpy(&low, &v, sizeof(v8));
+  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(v8), sizeof(v8));
+  return tree_sum(low + high);
 }
 #endif
 

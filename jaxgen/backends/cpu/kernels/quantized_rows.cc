@@ -227,7 +227,9 @@ inline V first_lanes(v8 v) {
   if constexpr (sizeof(V) == sizeof(v8)) {
     return v;
   } else {
-    return __builtin_shufflevector(v, v8{}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    V lanes{};  // by memcpy, not __builtin_shufflevector (which GCC has only from 12)
+    std::memcpy(&lanes, &v, sizeof(v8));
+    return lanes;
   }
 }
 
