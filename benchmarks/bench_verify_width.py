@@ -16,13 +16,12 @@ and the bandwidth probe.
 from __future__ import annotations
 
 import argparse
-import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_ab import host_line
 from bench_speed import llama_cpp_f32_forward_seconds
+from bench_trained_drafters import CarriedForward
 from report_table import table_header, table_row
 
 import jaxgen
@@ -32,35 +31,19 @@ from jaxgen.cache.layer_forms import to_layer_tuples
 from jaxgen.models import DEFAULT_MODEL
 
 
-class CarriedForward:
-    """A batch-1 forward of `width` tokens over a cache of `position` tokens, its cache
-    carried from call to call (donated, updated in place) as a decode loop carries it;
-    `time_once()` times one call."""
-
-    def __init__(self, model, params, width: int, position: int, layout: str):
-        if layout == "auto":  # the weights as the backend lays them out for `width` rows and
-            # places them for a process that calls more than once (huge pages)
-            laid_out = layer_split.for_decoding(model, params, rows=width, layout="auto")
-            params = prepare.on_huge_pages(params, laid_out)
-        cache = model.init_cache(1, position + width + 16)
-        if isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple)):
-            # per-layer weights run a per-layer cache, attending through the native kernel
-            cache = with_kernel_attention(to_layer_tuples(cache))
-        self.tokens = jnp.zeros((1, width), jnp.int32)  # [1, S]
-        self.positions = jnp.arange(position, position + width, dtype=jnp.int32)[None]  # [1, S]
-
-        def forward(p, t, pos, c):
-            out = model(p, t, pos, c)
-            return out.logits, out.cache
-
-        self.params, self.fn = params, jax.jit(forward, donate_argnums=3)
-        _, self.cache = self.fn(params, self.tokens, self.positions, cache)  # compiled
-
-    def time_once(self) -> float:
-        start = time.perf_counter()
-        _, self.cache = jax.block_until_ready(
-            self.fn(self.params, self.tokens, self.positions, self.cache))
-        return time.perf_counter() - start
+def carried_forward(model, params, width: int, position: int, layout: str) -> CarriedForward:
+    """A batch-1 forward of `width` tokens over a cache of `position` tokens, in `layout`."""
+    if layout == "auto":  # the weights as the backend lays them out for `width` rows and
+        # places them for a process that calls more than once (huge pages)
+        laid_out = layer_split.for_decoding(model, params, rows=width, layout="auto")
+        params = prepare.on_huge_pages(params, laid_out)
+    cache = model.init_cache(1, position + width + 16)
+    if isinstance(params, dict) and isinstance(params.get("layers"), (list, tuple)):
+        # per-layer weights run a per-layer cache, attending through the native kernel
+        cache = with_kernel_attention(to_layer_tuples(cache))
+    tokens = jnp.zeros((1, width), jnp.int32)  # [1, S]
+    positions = jnp.arange(position, position + width, dtype=jnp.int32)[None]  # [1, S]
+    return CarriedForward(model, params, tokens, positions, cache)
 
 
 def interleaved_seconds(forwards: dict, repeats: int, rounds: int = 5) -> dict:
@@ -85,7 +68,7 @@ def main() -> None:
     rows = {}
     for name, layout in (("jaxgen portable (stacked)", "portable"),
                          ("jaxgen layout=auto (per-layer, kernels)", "auto")):
-        forwards = {w: CarriedForward(model, params, w, args.position, layout) for w in widths}
+        forwards = {w: carried_forward(model, params, w, args.position, layout) for w in widths}
         rows[name] = interleaved_seconds(forwards, args.repeats)
         del forwards
     llama = llama_cpp_f32_forward_seconds(widths, args.position, args.repeats)

@@ -26,8 +26,6 @@ Example:
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import pathlib
 
@@ -80,22 +78,15 @@ def _address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
-def _host_view(array: jax.Array) -> np.ndarray | None:
-    """The array's bytes as a numpy array of its dtype and shape (a view where XLA:CPU
-    allows one), or None for a dtype numpy cannot hold byte for byte (packed int4)."""
-    host = np.asarray(array)
-    return host if host.nbytes == array.nbytes else None
-
-
 def on_huge_pages(arrays, stop=lambda: False) -> dict[int, jax.Array]:
     """{id(array): copy} for each distinct single-device CPU jax.Array of at least HUGE_PAGE
     bytes among `arrays`, all copied into one anonymous mapping advised for huge pages, each
     starting on a huge-page boundary; {} where the system gives no huge pages this way (THP
     "never", no mmap.madvise), has too little memory to spare for the copy (MemAvailable
     below its size x (1 + SPARE_FRACTION) + SPARE_BYTES) or jax would copy the bytes again
-    instead of reading them in place. Each copy holds the same values (same shape, dtype and device) as its original;
-    the mapping lives as long as any copy does. A copy is committed to its device exactly when
-    its original is. `stop()` is asked before each array: true
+    instead of reading them in place (a dtype XLA packs, such as int4). Each copy holds its
+    original's values, shape, dtype and device, and is committed exactly when its original
+    is; the mapping lives as long as any copy does. `stop()` is asked before each array: true
     abandons the copy ({}).
     """
     chosen, seen = [], set()
@@ -122,11 +113,8 @@ def on_huge_pages(arrays, stop=lambda: False) -> dict[int, jax.Array]:
     for array, slot in zip(chosen, slots):
         if stop():
             return {}
-        host = _host_view(array)
-        if host is None:
-            offset += slot
-            continue
-        view = whole[offset:offset + array.nbytes].view(host.dtype).reshape(host.shape)
+        host = np.asarray(array)  # a view of XLA:CPU's buffer where it allows one
+        view = whole[offset:offset + host.nbytes].view(host.dtype).reshape(host.shape)
         np.copyto(view, host)
         # committed as the original is (jit keys on it: a changed commitment compiles again)
         copy = jax.device_put(view, array.sharding if array.committed else None)
