@@ -21,6 +21,7 @@ from jaxgen.models.hf_export import save_hf_checkpoint
 from jaxgen.runtime import backend
 from test_cache_security import _hanging_compiler, _wait_gone
 
+ALL_SOURCES = ["decode_attention.cc", "few_rows.cc", "prefill_attention.cc", "quantized_rows.cc"]
 FAKE_CXX = """#!/bin/sh
 echo "$*" >> "{log}"
 if [ "$1" = --version ]; then echo "fake c++ 1.0"; exit 0; fi
@@ -43,7 +44,7 @@ def kernel_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_VERSIONS", {})
     monkeypatch.setattr(build, "_TEMPORARY", [])
     for name in ("_registered_target", "_registered_quantized_target",
-                 "_registered_attention_targets"):
+                 "_registered_attention_targets", "_registered_prefill_target"):
         monkeypatch.setattr(build, name, functools.cache(getattr(build, name).__wrapped__))
     monkeypatch.setattr(build, "SPLIT_MIN_BYTES", 1)
     yield tmp_path / "kernels"
@@ -81,8 +82,9 @@ def finish_builds() -> None:
 
 
 @pytest.mark.parametrize("weights, sources", [
-    ("int8", ["decode_attention.cc", "few_rows.cc", "quantized_rows.cc"]),
-    ("float", ["decode_attention.cc", "few_rows.cc"]),
+    ("int8", ["decode_attention.cc", "few_rows.cc", "prefill_attention.cc",
+              "quantized_rows.cc"]),
+    ("float", ["decode_attention.cc", "few_rows.cc", "prefill_attention.cc"]),
 ])
 def test_loading_starts_the_builds_the_weights_need(monkeypatch, tmp_path, kernel_dir,
                                                     tiny_folder, weights, sources):
@@ -101,8 +103,8 @@ def test_a_second_load_with_the_libraries_cached_starts_no_build(monkeypatch, tm
     load(tiny_folder, weights="int8")
     finish_builds()
     assert all(build.library_ready(s) for s in (build.SOURCE, build.QUANTIZED_SOURCE,
-                                                build.ATTENTION_SOURCE))
-    monkeypatch.setattr(build, "_BUILDS", {})  # a later process: the cache holds all three
+                                                build.ATTENTION_SOURCE, build.PREFILL_SOURCE))
+    monkeypatch.setattr(build, "_BUILDS", {})  # a later process: the cache holds all four
     monkeypatch.setattr(build, "_VERSIONS", {})
     log.unlink()
     load(tiny_folder, weights="int8")
@@ -136,7 +138,7 @@ def test_a_failing_background_build_falls_back_to_xla_with_one_warning(monkeypat
                                                                         tiny_folder):
     fake_compiler(monkeypatch, tmp_path, mode="fail")
     model, params, _ = load(tiny_folder, weights="int8")
-    assert sorted(build._BUILDS) == ["decode_attention.cc", "few_rows.cc", "quantized_rows.cc"]
+    assert sorted(build._BUILDS) == ALL_SOURCES
     jax.clear_caches()  # no program traced while another test's kernel was registered
     cfg = jaxgen.GenerationConfig(max_new_tokens=3)
     with warnings.catch_warnings(record=True) as caught:
@@ -161,7 +163,7 @@ def test_the_first_use_waits_no_longer_than_the_deadline(monkeypatch, tmp_path, 
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("JAXGEN_KERNEL_BUILD_TIMEOUT", "1")
     load(tiny_folder, weights="int8")
-    assert sorted(build._BUILDS) == ["decode_attention.cc", "few_rows.cc", "quantized_rows.cc"]
+    assert sorted(build._BUILDS) == ALL_SOURCES
     with pytest.warns(RuntimeWarning, match="few-row kernel is not available.*did not finish"):
         assert build.quantized_target() is None
     finish_builds()
@@ -174,8 +176,8 @@ def test_the_ahead_of_time_step_builds_every_library(monkeypatch, tmp_path, kern
     starts nothing."""
     log = fake_compiler(monkeypatch, tmp_path)
     assert build.main(["build"]) == 0
-    assert compiled_sources(log) == ["decode_attention.cc", "few_rows.cc", "quantized_rows.cc"]
+    assert compiled_sources(log) == ALL_SOURCES
     printed = capsys.readouterr().out
     assert all(f"{name}: {kernel_dir}" in printed
-               for name in ("few_rows.cc", "quantized_rows.cc", "decode_attention.cc"))
+               for name in ALL_SOURCES)
     assert build.start_builds_for("gguf", 1 << 30) == []

@@ -1,10 +1,11 @@
-"""Dense and int8 caches whose few-query attention runs the native decode-attention kernel.
+"""Dense and int8 caches whose attention runs the native attention kernels.
 
 `with_kernel_attention(cache)` gives a cache of the same fields whose class is a subclass of
 the cache's own (`KVCache`, `DynamicKVCache`, `QuantizedKVCache`): its `attend` (and the int8
 cache's `update_attend`) run `kernels/decode_attention` when the call is one it takes
 (`_kernel_runs`: float32 queries, at most MAX_ROWS query rows per KV head, no soft-capping,
-no token tree; int8 codes without a residual ring, float32 scales), else the cache's own
+no token tree; int8 codes without a residual ring, float32 scales); a float32 dense cache's
+forwards of more query rows (a prefill) run `kernels/prefill_attention`; else the cache's own
 attention. `without_kernel_attention` gives the caller's class back. The backend's `prepare`
 swaps the class in at the top of a program whose cache it holds per layer, `finish` swaps
 it out at the end, so the caller never holds one.
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.backends.cpu.kernels import decode_attention as kernel
+from jaxgen.backends.cpu.kernels import prefill_attention
 from jaxgen.cache.attention import heads_out, query_rows
 from jaxgen.cache.dense import DynamicKVCache, KVCache
 from jaxgen.cache.int8 import QuantizedKVCache
@@ -47,20 +49,34 @@ def _kernel_runs(q: jax.Array, num_kv_heads: int, softcap, tree_mask, groups=(1,
             and kernel.available())
 
 
+def _prefill_runs(q: jax.Array, k_layer: jax.Array, softcap, tree_mask) -> bool:
+    """The prefill kernel takes this attention call (decided while tracing)."""
+    return (q.dtype == jnp.float32 and k_layer.dtype == jnp.float32 and softcap is None
+            and tree_mask is None
+            and prefill_attention.runs(q.shape[2], k_layer.shape[1], q.shape[3])
+            and prefill_attention.available())
+
+
 class _DenseKernelAttention:
-    """attend through the kernel for a float32 dense cache (mixed into KVCache and its kinds)."""
+    """attend through the kernels for a float32 dense cache (mixed into KVCache and its
+    kinds): a few query rows per KV head through the decode kernel, more through the
+    prefill kernel."""
 
     def attend(self, layer, q, q_positions, *, scale: float, window=None, softcap=None,
                tree_mask=None):
         k_layer, v_layer = self.k[layer], self.v[layer]  # [B, Hkv, T, Dh]
-        if k_layer.dtype != jnp.float32 or not _kernel_runs(q, k_layer.shape[1], softcap,
-                                                            tree_mask):
-            tree = {} if tree_mask is None else {"tree_mask": tree_mask}
-            return super().attend(layer, q, q_positions, scale=scale, window=window,
-                                  softcap=softcap, **tree)
-        rows = kernel.decode_attention(query_rows(q, k_layer.shape[1]), k_layer, v_layer,
-                                       q_positions, scale=scale, window=window)  # [B,Hkv,R,Dh]
-        return heads_out(rows, q)
+        if k_layer.dtype == jnp.float32 and _kernel_runs(q, k_layer.shape[1], softcap,
+                                                         tree_mask):
+            rows = kernel.decode_attention(query_rows(q, k_layer.shape[1]), k_layer, v_layer,
+                                           q_positions, scale=scale,
+                                           window=window)  # [B, Hkv, R, Dh]
+            return heads_out(rows, q)
+        if _prefill_runs(q, k_layer, softcap, tree_mask):
+            return prefill_attention.prefill_attention(q, k_layer, v_layer, q_positions,
+                                                       scale=scale, window=window)
+        tree = {} if tree_mask is None else {"tree_mask": tree_mask}
+        return super().attend(layer, q, q_positions, scale=scale, window=window,
+                              softcap=softcap, **tree)
 
 
 class _CodesKernelAttention:

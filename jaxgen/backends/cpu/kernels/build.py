@@ -1,6 +1,6 @@
 """Compile the native kernels (`few_rows.cc`; `quantized_rows.cc`, a library of its own built
-on the first quantized product; `decode_attention.cc`, another, on the first attention through
-it) with the system C++ compiler on first use and register them with XLA.
+on the first quantized product; `decode_attention.cc` and `prefill_attention.cc`, two more, on
+the first attention through each) with the system C++ compiler on first use and register them with XLA.
 
 The shared library lands in a private folder ($JAXGEN_KERNEL_DIR, else
 $XDG_CACHE_HOME/jaxgen/kernels, else ~/.cache/jaxgen/kernels; 0700, checked with every folder
@@ -21,10 +21,10 @@ threads, each under its own deadline, unless the library is in the kernel folder
 (`library_ready`: one `--version` run, no build); the first use then waits at most what is
 left of that deadline, and a build that failed or ran out of time gives XLA's own products.
 `start_builds_for(weights, file_bytes)` is what a model load starts (`jaxgen.models.load`
-announces it; runtime.backend passes it on): the few-row and decode-attention kernels, and the
+announces it; runtime.backend passes it on): the few-row and both attention kernels, and the
 quantized one for int8 / GGUF weights, when the weight files are large enough for "auto" to
 lay the weights out. The CLI also starts the few-row build before it loads a model. `python -m
-jaxgen.backends.cpu.kernels.build` builds the three libraries ahead of time.
+jaxgen.backends.cpu.kernels.build` builds the four libraries ahead of time.
 
 $JAXGEN_CPU_KERNELS (`parse_kernel_setting`): auto / on / 1 / true / yes (or unset) build and
 use the kernels, off / 0 / false / no never build; anything else is a ValueError naming the
@@ -80,8 +80,11 @@ QUANTIZED_HANDLER_SYMBOL = "JaxgenQuantizedRows"
 ATTENTION_SOURCE = Path(__file__).with_name("decode_attention.cc")
 ATTENTION_TARGETS = {"jaxgen_decode_attention_dense": "JaxgenDecodeAttention",  # float32
                      "jaxgen_decode_attention_codes": "JaxgenDecodeAttentionCodes"}  # int8
-NATIVE_TARGETS = (TARGET_NAME, QUANTIZED_TARGET_NAME, *ATTENTION_TARGETS)  # every FFI target
-# a program may call
+PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cc")
+PREFILL_TARGET_NAME = "jaxgen_prefill_attention"  # float32, many query positions
+PREFILL_HANDLER_SYMBOL = "JaxgenPrefillAttention"
+NATIVE_TARGETS = (TARGET_NAME, QUANTIZED_TARGET_NAME, *ATTENTION_TARGETS,
+                  PREFILL_TARGET_NAME)  # every FFI target a program may call
 SETTING_VARIABLE = "JAXGEN_CPU_KERNELS"
 SETTINGS = ("auto", "off")
 SETTING_WORDS = {"auto": "auto", "on": "auto", "1": "auto", "true": "auto", "yes": "auto",
@@ -334,8 +337,9 @@ def library_ready(source: Path) -> bool:
 def _registered(source: Path) -> bool:
     """True when `source`'s kernel is registered in this process (or found unavailable)."""
     registered = {QUANTIZED_SOURCE.name: _registered_quantized_target,
-                  ATTENTION_SOURCE.name: _registered_attention_targets}.get(source.name,
-                                                                           _registered_target)
+                  ATTENTION_SOURCE.name: _registered_attention_targets,
+                  PREFILL_SOURCE.name: _registered_prefill_target}.get(source.name,
+                                                                       _registered_target)
     return bool(registered.cache_info().currsize)
 
 
@@ -363,14 +367,14 @@ def start_background_build(sources=None) -> list[str]:
 
 def start_builds_for(weights: str, file_bytes: int | None) -> list[str]:
     """The builds a model load may need, started in the background (start_background_build):
-    the few-row and decode-attention kernels', and the quantized kernel's for `weights` "int8"
-    / "gguf"; none when
+    the few-row, decode-attention and prefill-attention kernels', and the quantized kernel's
+    for `weights` "int8" / "gguf"; none when
     `file_bytes` (the weight files' size) is unknown or too small for "auto" to lay the
     weights out (WEIGHT_FILE_EXPANSION x file_bytes < SPLIT_MIN_BYTES: a first use with
     layout="split" builds then). Returns the names of the sources whose build started."""
     if file_bytes is None or file_bytes * WEIGHT_FILE_EXPANSION < SPLIT_MIN_BYTES:
         return []
-    sources = (SOURCE, ATTENTION_SOURCE)
+    sources = (SOURCE, ATTENTION_SOURCE, PREFILL_SOURCE)
     if weights in QUANTIZED_WEIGHTS:
         sources += (QUANTIZED_SOURCE,)
     return start_background_build(sources)
@@ -459,6 +463,20 @@ def _registered_attention_targets() -> dict[str, str] | None:
     return {"dense": dense, "codes": codes}
 
 
+def prefill_target() -> str | None:
+    """The prefill-attention kernel's FFI target (float32 caches, many query positions), or
+    None when kernels are off, the few-row kernel is not available or this one cannot be
+    built (warned once, with the reason)."""
+    return None if ffi_target() is None else _registered_prefill_target()
+
+
+@functools.cache
+def _registered_prefill_target() -> str | None:
+    registered = _register(PREFILL_SOURCE, {PREFILL_TARGET_NAME: PREFILL_HANDLER_SYMBOL},
+                           "prefill-attention kernel", "long forwards attend through XLA")
+    return PREFILL_TARGET_NAME if registered else None
+
+
 def _attention_target(name: str) -> str | None:
     """`name` when the decode-attention library is registered, else None."""
     return name if attention_targets() is not None else None
@@ -468,6 +486,7 @@ def register_targets(names) -> bool:
     """Registers the named FFI targets (NATIVE_TARGETS), building what is missing; True when
     every one is registered, False when one is not available (or not a target of these)."""
     registered = {TARGET_NAME: ffi_target, QUANTIZED_TARGET_NAME: quantized_target,
+                  PREFILL_TARGET_NAME: prefill_target,
                   **{name: functools.partial(_attention_target, name)
                      for name in ATTENTION_TARGETS}}
     return all(name in registered and registered[name]() == name for name in names)
@@ -496,14 +515,14 @@ def attention_query_bits() -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m jaxgen.backends.cpu.kernels.build`: builds the three libraries into the kernel
+    """`python -m jaxgen.backends.cpu.kernels.build`: builds the four libraries into the kernel
     folder now (a later run loads them), prints where; exit status 1 when one fails."""
     argv = sys.argv[1:] if argv is None else argv
     if argv not in ([], ["build"]):
         print("usage: python -m jaxgen.backends.cpu.kernels.build [build]", file=sys.stderr)
         return 2
     status = 0
-    for source in (SOURCE, QUANTIZED_SOURCE, ATTENTION_SOURCE):
+    for source in (SOURCE, QUANTIZED_SOURCE, ATTENTION_SOURCE, PREFILL_SOURCE):
         try:
             print(f"{source.name}: {build_library(source)}")
         except (OSError, RuntimeError, ValueError) as error:
@@ -515,5 +534,5 @@ def main(argv=None) -> int:
 __all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_query_bits", "attention_targets",
            "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows",
            "kernel_folder", "kernel_setting", "library_ready", "parse_kernel_setting",
-           "quantized_rounded_rows", "quantized_target", "register_targets",
+           "prefill_target", "quantized_rounded_rows", "quantized_target", "register_targets",
            "start_background_build", "start_builds_for", "use_temporary_folder"]

@@ -1,0 +1,55 @@
+"""`prefill_attention(q, k, v, q_positions, ...)`: causal attention of many query positions (a
+prefill, a long chunk of one) over one layer of a heads-major float32 KV cache through the
+native kernel `prefill_attention.cc` (CPU).
+
+The kernel reads q and writes the output in the model's [B, S, H, D] layout, walks only the
+key chunks each tile of query rows can see (the causal half of a prefill, a sliding window's
+edge) with an online softmax, and keeps each tile's scores in registers. XLA:CPU runs the same
+forward as loops of batched products with the softmax and copies between them: SmolLM2's 30
+layers at 512 positions 189 ms there, 55 ms here; at 2048, 1954 and 767 ms (Intel AVX-512
+host, 2 threads).
+
+Under `jax.vmap` the call runs once per mapped row (`vmap_method="sequential"`).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> q = jnp.ones((1, 3, 2, 8))                                # [B, S, H, D]
+    >>> k = jnp.ones((1, 1, 4, 8))                                # [B, Hkv, T, D]
+    >>> v = jnp.arange(4.0)[None, None, :, None] * jnp.ones((1, 1, 4, 8))
+    >>> if available():                                           # built on this machine
+    ...     out = prefill_attention(q, k, v, jnp.array([[0, 1, 2]]), scale=0.5)
+    ...     assert [float(out[0, s, 1, 0]) for s in range(3)] == [0.0, 0.5, 1.0]  # means
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.backends.cpu.kernels.build import prefill_target
+
+
+def available() -> bool:
+    """True when the kernel is built and registered for this process (CPU only)."""
+    return prefill_target() is not None
+
+
+def runs(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """True when the kernel takes queries of `heads` heads over `kv_heads` KV heads of
+    head_dim channels (a multiple of 8)."""
+    return kv_heads > 0 and heads % kv_heads == 0 and head_dim > 0 and head_dim % 8 == 0
+
+
+def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
+                      scale: float, window=None) -> jax.Array:
+    """q [B, S, H, D] float32 over k, v [B, Hkv, T, D] float32 (key j at position j), queries
+    at q_positions int32 [B, S]; key j visible iff j <= position (and position - j < window,
+    an int or int32 scalar; None: no window). Returns [B, S, H, D] float32 (zeros for a
+    query that sees no key). The kernel must be available."""
+    window = jnp.asarray(0 if window is None else window, jnp.int32).reshape(1)  # [1]
+    call = jax.ffi.ffi_call(prefill_target(), jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(q, k, v, q_positions.astype(jnp.int32), window, scale=np.float32(scale))
+
+
+__all__ = ["available", "prefill_attention", "runs"]
