@@ -34,10 +34,9 @@ def long_prompt(tokenizer, length: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def _median_seconds(run, repeats: int) -> float:
+def _median_seconds(run, repeats: int, settle=lambda: None) -> float:
     run()  # compile / warm-up
-    run()  # a second call: jaxgen places its kept layout (huge pages) in the background
-    compiled.wait_for_placement()
+    settle()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -48,9 +47,13 @@ def _median_seconds(run, repeats: int) -> float:
 
 def jaxgen_prefill_seconds(model, params, prompt, repeats) -> float:
     cfg = jaxgen.GenerationConfig(max_new_tokens=1, pad_token_id=0)
-    return _median_seconds(lambda: jaxgen.generate(
-        params, jaxgen.init_state(model, [prompt], cfg), cfg).sequences.block_until_ready(),
-        repeats)
+
+    def run():
+        jaxgen.generate(params, jaxgen.init_state(model, [prompt], cfg),
+                        cfg).sequences.block_until_ready()
+
+    run()  # compile; the second call (the warm-up) places the kept layout on huge pages
+    return _median_seconds(run, repeats, settle=compiled.wait_for_placement)
 
 
 def transformers_prefill_seconds(hf, prompt, repeats) -> float:

@@ -8,8 +8,8 @@
 //   out   [B, S, H, D]   float32 softmax(scale * q . k) . v over the visible keys (0: none)
 //
 // XLA:CPU runs a long causal forward as loops of batched products, softmax pieces and
-// copies between them (SmolLM2's 30 layers at 512 positions: 189 ms, against 62 GFLOP/s of
-// arithmetic). Here each unit of work (one row, one KV head, QUERY_ROWS query rows: the G
+// copies between them (SmolLM2's 30 layers at 512 positions: 189 ms, 48 here; Intel AVX-512,
+// 2 threads). Here each unit of work (one row, one KV head, about TARGET_ROWS query rows: the G
 // heads of a group at consecutive positions) walks the key chunks its rows can see: the
 // scores of ROW_TILE rows x CHUNK keys stay in registers over the head dimension (keys
 // transposed once a call, chunk by chunk, so a chunk's key channels are contiguous), their
@@ -38,26 +38,30 @@ constexpr int64_t TARGET_ROWS = 192;                     // query rows a unit, a
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float SHIFT_MARGIN = 8.0f;
 
-// e^x lane by lane for x <= 0 (a few ulp; -inf gives exactly 0): 2^n e^f, n = round(x / ln 2),
-// e^f by a degree-6 polynomial (minimax coefficients), as decode_attention.cc's.
+// e^x lane by lane for x <= 0 (a few ulp; -inf gives exactly 0, below -80 as e^-80):
+// 2^n e^f with n = round(x / ln 2) read from the low bits of x / ln 2 + 1.5 * 2^23 (no
+// conversions), e^f by a degree-6 polynomial (minimax coefficients, as
+// decode_attention.cc's), and 2^n added to e^f's exponent bits (n >= -116: no underflow).
 inline V exp_lanes(V given) {
-  const V lowest = V{} - 87.0f;
+  const V lowest = V{} - 80.0f;
   const V x = given < lowest ? lowest : given;
-  V scaled = x * 1.44269504088896341f + 0.5f;
-  IV n = __builtin_convertvector(scaled, IV);            // toward zero
-  n += (__builtin_convertvector(n, V) > scaled);          // floor: -1 where above
-  V nf = __builtin_convertvector(n, V);
-  V f = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  const V shifter = V{} + 12582912.0f;                   // 1.5 * 2^23
+  const V scaled = x * 1.44269504088896341f + shifter;   // n in the low mantissa bits
+  const V nf = scaled - shifter;
+  const V f = x - nf * 0.693359375f + nf * 2.12194440e-4f;
   V p = f * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * f + 8.3334519073e-3f;
   p = p * f + 4.1665795894e-2f;
   p = p * f + 1.6666665459e-1f;
   p = p * f + 5.0000001201e-1f;
-  V e = p * f * f + f + 1.0f;
-  IV bits = (n + 127) << 23;
-  V power;
-  std::memcpy(&power, &bits, sizeof(V));
-  return given == NEG_INF ? V{} : e * power;                 // masked keys weigh exactly 0
+  const V e = p * f * f + f + 1.0f;
+  IV e_bits, n_bits;
+  std::memcpy(&e_bits, &e, sizeof(V));
+  std::memcpy(&n_bits, &scaled, sizeof(V));
+  e_bits += n_bits << 23;                                 // bits(scaled) << 23 == n << 23
+  V out;
+  std::memcpy(&out, &e_bits, sizeof(V));
+  return given == NEG_INF ? V{} : out;                   // masked keys weigh exactly 0
 }
 
 // The largest lane, as a tree: halves compared until one lane is left (a lane-order walk is
@@ -191,35 +195,51 @@ void rows_chunk(const Problem& p, int64_t bh, int64_t c, Rows& s, int64_t first)
   alignas(64) float scores[ROWS * CHUNK];
   score_tile<ROWS>(s.q.data() + first * D, D, p.keys_t + (bh * p.chunks + c) * D * CHUNK,
                    scores);
-  for (int r = 0; r < ROWS; ++r) {
-    const int64_t lo = s.lo[first + r] - begin, hi = s.hi[first + r] - begin;
-    float* row = scores + r * CHUNK;
-    if (lo > 0 || hi < CHUNK)
+  bool edge = false;                            // a row sees part of the chunk only
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r)
+    edge |= s.lo[first + r] > begin || s.hi[first + r] < begin + CHUNK;
+  if (edge)
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t lo = s.lo[first + r] - begin, hi = s.hi[first + r] - begin;
+      float* row = scores + r * CHUNK;
       for (int64_t j = 0; j < CHUNK; ++j)
         if (j < lo || j >= hi) row[j] = NEG_INF;
-    V vectors[CHUNK_VECTORS];
-    std::memcpy(vectors, row, sizeof(vectors));
-    V top = vectors[0];
-    for (int t = 1; t < CHUNK_VECTORS; ++t) top = top > vectors[t] ? top : vectors[t];
+    }
+  // Every row's step of the online softmax side by side (independent chains, no branches
+  // but the rare rescale). A row's reference max moves only when a score passes it by more
+  // than SHIFT_MARGIN (weights up to e^8 before the final division), so most chunks after
+  // the first rescale nothing; a row that has seen no key keeps -inf and weighs 0.
+  float old_high[ROWS], high[ROWS];
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
+    V top;
+    std::memcpy(&top, scores + r * CHUNK, sizeof(V));
+    _Pragma("GCC unroll 4") for (int t = 1; t < CHUNK_VECTORS; ++t) {
+      V next;
+      std::memcpy(&next, scores + r * CHUNK + t * LANES, sizeof(V));
+      top = top > next ? top : next;
+    }
     const float chunk_high = max_lanes(top);
-    float& high = s.high[first + r];
-    // The reference a row's weights are taken against moves only when a score passes it by
-    // more than SHIFT_MARGIN (weights up to e^8 before the final division): most chunks after
-    // the first then rescale nothing.
-    const float new_high = chunk_high > high + SHIFT_MARGIN || high == NEG_INF ? chunk_high : high;
-    if (new_high == NEG_INF) {                 // nothing visible yet: weights 0
-      std::memset(row, 0, CHUNK * sizeof(float));
-      continue;
+    old_high[r] = s.high[first + r];
+    high[r] = chunk_high > old_high[r] + SHIFT_MARGIN || old_high[r] == NEG_INF ? chunk_high
+                                                                                : old_high[r];
+  }
+  V sums[ROWS];
+  _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; ++r) {
+    const float reference = high[r] == NEG_INF ? 0.0f : high[r];  // all -inf: weights 0
+    sums[r] = V{};
+    _Pragma("GCC unroll 4") for (int t = 0; t < CHUNK_VECTORS; ++t) {
+      V x;
+      std::memcpy(&x, scores + r * CHUNK + t * LANES, sizeof(V));
+      x = exp_lanes(x - reference);
+      sums[r] += x;
+      std::memcpy(scores + r * CHUNK + t * LANES, &x, sizeof(V));
     }
-    V sum = V{};
-    for (int t = 0; t < CHUNK_VECTORS; ++t) {
-      vectors[t] = exp_lanes(vectors[t] - new_high);
-      sum += vectors[t];
-    }
-    std::memcpy(row, vectors, sizeof(vectors));
-    const float rescale = high == NEG_INF ? 0.0f : std::exp(high - new_high);
-    s.total[first + r] = s.total[first + r] * rescale + tree_sum(sum);
-    high = new_high;
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const float rescale = old_high[r] == high[r] ? 1.0f
+                          : old_high[r] == NEG_INF ? 0.0f : std::exp(old_high[r] - high[r]);
+    s.total[first + r] = s.total[first + r] * rescale + tree_sum(sums[r]);
+    s.high[first + r] = high[r];
     if (rescale != 1.0f) {
       float* o = s.out.data() + (first + r) * D;
       for (int64_t d = 0; d < D; ++d) o[d] *= rescale;

@@ -6,8 +6,8 @@ The kernel reads q and writes the output in the model's [B, S, H, D] layout, wal
 key chunks each tile of query rows can see (the causal half of a prefill, a sliding window's
 edge) with an online softmax, and keeps each tile's scores in registers. XLA:CPU runs the same
 forward as loops of batched products with the softmax and copies between them: SmolLM2's 30
-layers at 512 positions 189 ms there, 55 ms here; at 2048, 1954 and 767 ms (Intel AVX-512
-host, 2 threads).
+layers at 512 positions 189 ms there, 47-50 ms here; at 2048, 1954 and 570-580 ms (Intel
+AVX-512 host, 2 threads).
 
 Under `jax.vmap` the call runs once per mapped row (`vmap_method="sequential"`).
 
