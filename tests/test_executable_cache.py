@@ -99,6 +99,15 @@ def test_the_environment_holds_versions_flags_and_the_source(monkeypatch):
     assert executable_cache.environment() != before
 
 
+def test_the_environment_holds_the_host_cpu(monkeypatch):
+    """An executable compiled on one CPU kind must miss on another (XLA:CPU compiles for the
+    features it finds; the CPU layouts choose paths by vendor)."""
+    before = executable_cache.environment()
+    assert ("host cpu", executable_cache.host_cpu()) in before
+    monkeypatch.setattr(executable_cache, "host_cpu", lambda: "vendor_id: Other; flags: sse2")
+    assert executable_cache.environment() != before
+
+
 @dataclasses.dataclass(frozen=True)
 class UserLoop:  # a loop from outside jaxgen: its code is not in the key
     offset: int = 1

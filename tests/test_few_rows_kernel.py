@@ -69,11 +69,12 @@ def test_kernel_matrix_falls_back_past_the_row_bound_and_stands_for_its_k_by_n_w
     matrix = KernelMatrix(jnp.swapaxes(weight, 1, 2), layer=2)  # a layer of a stack [L, N, K]
     assert matrix.shape == (12, 20)
     # a layer of a stack keeps the kernel further (XLA would copy the layer out first)
-    assert STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS
-    for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, STACKED_KERNEL_MAX_ROWS,
+    own_bound = few_rows.max_rows()  # this host's: 16 on Intel AVX-512, else KERNEL_MAX_ROWS
+    assert STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS >= own_bound
+    for rows in (1, own_bound, own_bound + 1, KERNEL_MAX_ROWS + 1, STACKED_KERNEL_MAX_ROWS,
                  STACKED_KERNEL_MAX_ROWS + 1):
         x = _random((rows, 1, 12), rows)
-        for m, bound in ((matrix, STACKED_KERNEL_MAX_ROWS), (own, KERNEL_MAX_ROWS)):
+        for m, bound in ((matrix, STACKED_KERNEL_MAX_ROWS), (own, own_bound)):
             lowered = jax.jit(lambda x, m: x @ m).lower(x, m).as_text()
             assert ("jaxgen_few_rows" in lowered) == (rows <= bound), (rows, m.layer)
             np.testing.assert_allclose(x @ m, x @ weight[2], rtol=1e-5, atol=1e-4)
@@ -135,10 +136,13 @@ def test_one_and_multi_row_programs_call_the_kernel_on_either_row_group(monkeypa
 def test_the_build_reports_its_row_group_from_the_cpu_it_was_built_for(monkeypatch):
     import platform
 
-    flags = open("/proc/cpuinfo").read().split() if platform.system() == "Linux" else []
+    cpuinfo = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    flags = cpuinfo.split()
     assert few_rows.group_rows() == (8 if "avx512f" in flags else 4)  # built -march=native
+    intel_avx512 = "avx512f" in flags and "GenuineIntel" in cpuinfo
+    assert few_rows.max_rows() == (16 if intel_avx512 else KERNEL_MAX_ROWS)
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
-    assert few_rows.group_rows() == 0
+    assert few_rows.group_rows() == 0 and few_rows.max_rows() == KERNEL_MAX_ROWS
 
 
 def test_second_call_with_the_kernel_does_not_recompile(monkeypatch):

@@ -1,9 +1,10 @@
-"""Weight matrices whose products with up to KERNEL_MAX_ROWS rows run the native few-row
-kernel (`jaxgen/backends/cpu/kernels/few_rows.py`) on CPU.
+"""Weight matrices whose products with up to `few_rows.max_rows()` rows run the native
+few-row kernel (`jaxgen/backends/cpu/kernels/few_rows.py`) on CPU.
 
 `KernelMatrix` holds a [K, N] weight as its transpose `weight_nk` [N, K] (the layout the
 kernel streams row by row; a tied head is the embedding itself). `x @ m` (x [..., K]) runs the
-kernel for 1 to KERNEL_MAX_ROWS rows of float32 (STACKED_KERNEL_MAX_ROWS for a layer of a
+kernel for 1 to `max_rows()` rows of float32 (tuning.KERNEL_MAX_ROWS, 16 on Intel AVX-512
+hosts; STACKED_KERNEL_MAX_ROWS for a layer of a
 stack, which XLA would copy out first) and XLA's product with the transposed weight otherwise
 (a long prefill). `jaxgen/backends/cpu/layer_split.for_decoding` wraps each layer matrix and the head
 this way when the kernel is available; the model's forward does not change.
@@ -25,8 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxgen.backends.cpu.kernels.few_rows import few_rows_product
-from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS
+from jaxgen.backends.cpu.kernels.few_rows import few_rows_product, max_rows
+from jaxgen.backends.cpu.tuning import STACKED_KERNEL_MAX_ROWS
 
 
 @jax.tree_util.register_dataclass
@@ -55,7 +56,7 @@ class KernelMatrix:
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
         """x [..., K] @ self -> [..., N]."""
         rows = math.prod(x.shape[:-1])
-        bound = KERNEL_MAX_ROWS if self.layer is None else STACKED_KERNEL_MAX_ROWS
+        bound = max_rows() if self.layer is None else STACKED_KERNEL_MAX_ROWS
         if (1 <= rows <= bound and x.dtype == jnp.float32
                 and self.weight_nk.dtype == jnp.float32):
             return few_rows_product(x, self.weight_nk, self.layer)  # [..., N]

@@ -8,7 +8,8 @@ Example:
 from __future__ import annotations
 
 # Few-row kernel (kernel_matrix.py): more rows run XLA's matrix-matrix product (16 rows: the
-# kernel 1.7x faster, 32: 1.15x).
+# kernel 1.7x faster, 32: 1.15x, on the first host); Intel AVX-512 hosts stop at 16 rows
+# (`kernels/few_rows.max_rows`: there the kernel at 32 rows ran 0.63x XLA's speed).
 KERNEL_MAX_ROWS = 32
 # A layer of a stack (the layout's quantized matrices; float32 layers have buffers of their
 # own): XLA's product would first copy the layer out of the stack (a dot reads whole

@@ -498,6 +498,15 @@ def group_rows() -> int:
     return 0 if ffi_target() is None else int(_LOADED[SOURCE.name].JaxgenFewRowsGroupRows())
 
 
+def kernel_max_rows(fallback: int) -> int:
+    """The most input rows a float32 product runs the few-row kernel for on this host
+    (`few_rows.h`'s kernel_max_rows: 16 on Intel AVX-512 hosts, else `fallback`); `fallback`
+    when the kernel is not available."""
+    if ffi_target() is None:
+        return fallback
+    return int(_LOADED[SOURCE.name].JaxgenFewRowsMaxRows(ctypes.c_int(fallback)))
+
+
 def quantized_rounded_rows() -> int:
     """The most input rows the quantized kernel rounds to int16 codes (3 on AVX2 builds without
     AVX-512; 0: it multiplies float rows); 0 when the kernel is not available."""
@@ -533,6 +542,7 @@ def main(argv=None) -> int:
 
 __all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_query_bits", "attention_targets",
            "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows",
+           "kernel_max_rows",
            "kernel_folder", "kernel_setting", "library_ready", "parse_kernel_setting",
            "prefill_target", "quantized_rounded_rows", "quantized_target", "register_targets",
            "start_background_build", "start_builds_for", "use_temporary_folder"]

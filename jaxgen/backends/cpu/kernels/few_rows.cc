@@ -58,3 +58,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenFewRows, FewRowsImpl,
 // The input rows one weight pass serves (4, or 8 with AVX-512), for the Python side's reports
 // (`few_rows.group_rows`).
 extern "C" int JaxgenFewRowsGroupRows() { return GROUP_ROWS; }
+
+// The most input rows a product should run this kernel for on this host (few_rows.h,
+// kernel_max_rows), for the Python side (`build.kernel_max_rows`).
+extern "C" int JaxgenFewRowsMaxRows(int fallback) { return kernel_max_rows(fallback); }

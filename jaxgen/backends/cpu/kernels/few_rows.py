@@ -27,12 +27,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.backends.cpu.kernels.build import ffi_target, group_rows
+from jaxgen.backends.cpu.kernels.build import ffi_target, group_rows, kernel_max_rows
+from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS
 
 
 def available() -> bool:
     """True when the kernel is built and registered for this process (CPU only)."""
     return ffi_target() is not None
+
+
+def max_rows() -> int:
+    """The most input rows a float32 product runs the kernel for on this host, beyond which
+    XLA's matrix-matrix product is the faster: 16 on Intel AVX-512 hosts, KERNEL_MAX_ROWS
+    elsewhere (`few_rows.h`, kernel_max_rows), KERNEL_MAX_ROWS when the kernel is not built.
+
+    Example:
+        >>> max_rows() in (16, KERNEL_MAX_ROWS)
+        True
+    """
+    return kernel_max_rows(KERNEL_MAX_ROWS)
 
 
 def few_rows_product(x: jax.Array, w_nk: jax.Array, layer: int | None = None) -> jax.Array:
@@ -61,4 +74,4 @@ def _product(layer: int | None):
     return product
 
 
-__all__ = ["available", "few_rows_product", "group_rows"]
+__all__ = ["available", "few_rows_product", "group_rows", "max_rows"]
