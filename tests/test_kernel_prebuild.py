@@ -44,7 +44,7 @@ def kernel_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_VERSIONS", {})
     monkeypatch.setattr(build, "_TEMPORARY", [])
     for name in ("_registered_target", "_registered_quantized_target",
-                 "_registered_attention_targets", "_registered_prefill_target"):
+                 "_registered_attention_targets", "_registered_prefill_targets"):
         monkeypatch.setattr(build, name, functools.cache(getattr(build, name).__wrapped__))
     monkeypatch.setattr(build, "SPLIT_MIN_BYTES", 1)
     yield tmp_path / "kernels"

@@ -50,6 +50,25 @@ def test_kernel_equals_the_portable_attention(batch, seq, heads, kv_heads, keys,
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("batch, seq, heads, kv_heads, keys, dim, window, first", CASES[:4])
+def test_int8_kernel_equals_the_portable_attention_over_codes(batch, seq, heads, kv_heads,
+                                                              keys, dim, window, first):
+    from jaxgen.cache.int8 import quantize
+
+    q = _random((batch, seq, heads, dim), 20)
+    k, v = _random((batch, kv_heads, keys, dim), 21), _random((batch, kv_heads, keys, dim), 22)
+    groups = (max(dim // 16, 1), max(dim // 32, 1)) if dim % 16 == 0 else (1, dim // 8)
+    kq, ks = quantize(k, 8, groups[0], jnp.float32)  # [B, Hkv, T, D], [B, Hkv, T, Nk]
+    vq, vs = quantize(v, 8, groups[1], jnp.float32)
+    positions = jnp.asarray(first + np.arange(seq)[None].repeat(batch, 0), jnp.int32)  # [B, S]
+    block = KeyBlock(k=kq, v=vq, positions=jnp.arange(keys, dtype=jnp.int32), k_scale=ks,
+                     v_scale=vs)
+    want = attend_blocks(q, positions, [block], scale=dim ** -0.5, window=window)
+    got = kernel.prefill_attention(q, kq, vq, positions, scale=dim ** -0.5, window=window,
+                                   k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
 def test_queries_in_any_order_and_rows_that_see_nothing():
     """Positions need not increase along the sequence; a query at -1 (an empty slot) gets
     zeros, its neighbours in the same row tile are unaffected."""
@@ -93,7 +112,7 @@ def test_shapes_the_kernel_does_not_take_are_refused():
     assert not kernel.runs(4, 2, 60)  # not a multiple of 8
 
 
-def _setup(monkeypatch, prompt_length: int, window=None):
+def _setup(monkeypatch, prompt_length: int, window=None, cache=None):
     import jaxgen
     from jaxgen.backends.cpu import layer_split
     from jaxgen.models import tiny_llama
@@ -102,24 +121,28 @@ def _setup(monkeypatch, prompt_length: int, window=None):
     model, params = tiny_llama(num_layers=2, num_heads=6, num_kv_heads=2, head_dim=32,
                                hidden_size=48, vocab_size=300, max_position_embeddings=512,
                                sliding_window=window)
-    cfg = jaxgen.GenerationConfig(max_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    extra = {} if cache is None else dict(cache_implementation=cache[0], cache_config=cache[1])
+    cfg = jaxgen.GenerationConfig(max_new_tokens=8, pad_token_id=0, eos_token_id=None, **extra)
     rows = np.random.RandomState(13).randint(1, 300, size=(2, prompt_length)).tolist()
     state = jaxgen.init_state(model, [rows[0], rows[1][:prompt_length // 2]], cfg)
     return params, state, cfg
 
 
-@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("window, cache, target", [
+    (None, None, "jaxgen_prefill_attention_dense"), (24, None, "jaxgen_prefill_attention_dense"),
+    (None, ("quantized", {"nbits": 8}), "jaxgen_prefill_attention_codes")])
 def test_generate_with_a_long_prompt_runs_the_kernel_and_gives_the_portable_tokens(monkeypatch,
-                                                                                  window):
+                                                                                  window, cache,
+                                                                                  target):
     import jaxgen
     from jaxgen.loops.decode import DecodeLoop
     from jaxgen.runtime import compiled
 
-    params, state, cfg = _setup(monkeypatch, 90, window)
+    params, state, cfg = _setup(monkeypatch, 90, window, cache)
     program = compiled._run_kept.lower(params, state, cfg, None, loop=DecodeLoop(),
                                        layout="split").as_text()
-    assert "jaxgen_prefill_attention" in program, "the CPU layout's prefill skips the kernel"
+    assert target in program, "the CPU prefill skips the kernel"
     split = jaxgen.generate(params, state, cfg, layout="split")
-    params, state, cfg = _setup(monkeypatch, 90, window)  # the state was donated
+    params, state, cfg = _setup(monkeypatch, 90, window, cache)  # the state was donated
     portable = jaxgen.generate(params, state, cfg, layout="portable")
     assert jnp.array_equal(split.sequences, portable.sequences)

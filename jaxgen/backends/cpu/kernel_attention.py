@@ -4,9 +4,9 @@
 the cache's own (`KVCache`, `DynamicKVCache`, `QuantizedKVCache`): its `attend` (and the int8
 cache's `update_attend`) run `kernels/decode_attention` when the call is one it takes
 (`_kernel_runs`: float32 queries, at most MAX_ROWS query rows per KV head, no soft-capping,
-no token tree; int8 codes without a residual ring, float32 scales); a float32 dense cache's
-forwards of more query rows (a prefill) run `kernels/prefill_attention`; else the cache's own
-attention. `without_kernel_attention` gives the caller's class back. The backend's `prepare`
+no token tree; int8 codes without a residual ring, float32 scales); forwards of more query
+rows (a prefill) over a float32 dense cache or such int8 codes run `kernels/prefill_attention`;
+else the cache's own attention. `without_kernel_attention` gives the caller's class back. The backend's `prepare`
 swaps the class in at the top of a program whose cache it holds per layer, `finish` swaps
 it out at the end, so the caller never holds one.
 
@@ -80,18 +80,36 @@ class _DenseKernelAttention:
 
 
 class _CodesKernelAttention:
-    """attend / update_attend through the kernel for an int8 cache without a residual ring:
-    the query rotated into the codes' basis, the output rotated back (jaxgen.cache.int8)."""
+    """attend / update_attend through the kernels for an int8 cache without a residual ring
+    (a few query rows per KV head through the decode kernel, more through the prefill
+    kernel): the query rotated into the codes' basis, the output rotated back
+    (jaxgen.cache.int8)."""
 
-    def _kernel_takes(self, layer, q, softcap) -> bool:
-        return (self.nbits == 8 and self.rk is None and self.residual_length == 0
-                and self.k_scale[layer].dtype == jnp.float32
-                and _kernel_runs(q, self.kq[layer].shape[1], softcap, None,
-                                 (self.k_scale[layer].shape[-1], self.v_scale[layer].shape[-1])))
+    def _kernel_path(self, layer, q, softcap) -> str | None:
+        """"decode", "prefill" or None (the cache's own attention), decided while tracing."""
+        if not (self.nbits == 8 and self.rk is None and self.residual_length == 0
+                and self.k_scale[layer].dtype == jnp.float32 and softcap is None):
+            return None
+        kv_heads, groups = self.kq[layer].shape[1], (self.k_scale[layer].shape[-1],
+                                                     self.v_scale[layer].shape[-1])
+        if _kernel_runs(q, kv_heads, softcap, None, groups):
+            return "decode"
+        if (q.dtype == jnp.float32 and prefill_attention.runs(q.shape[2], kv_heads, q.shape[3],
+                                                              *groups)
+                and prefill_attention.available()):
+            return "prefill"
+        return None
 
-    def _kernel_attend(self, layer, q, q_positions, scale: float, window):
-        rows = query_rows(q, self.kq[layer].shape[1]).astype(jnp.float32)  # [B, Hkv, R, Dh]
+    def _kernel_attend(self, layer, q, q_positions, scale: float, window, path: str):
         rotation = self.rotation
+        if path == "prefill":
+            rotated = q if rotation is None else q @ rotation  # [B, S, H, Dh]
+            out = prefill_attention.prefill_attention(
+                rotated, self.kq[layer], self.vq[layer], q_positions, scale=scale,
+                window=window, k_scale=self.k_scale[layer],
+                v_scale=self.v_scale[layer])  # [B, S, H, Dh]
+            return out if rotation is None else out @ rotation.T
+        rows = query_rows(q, self.kq[layer].shape[1]).astype(jnp.float32)  # [B, Hkv, R, Dh]
         if rotation is not None:
             rows = rows @ rotation  # [B, Hkv, R, Dh]
         out = kernel.decode_attention(rows, self.kq[layer], self.vq[layer], q_positions,
@@ -102,18 +120,20 @@ class _CodesKernelAttention:
         return heads_out(out, q)
 
     def attend(self, layer, q, q_positions, *, scale: float, window=None, softcap=None):
-        if not self._kernel_takes(layer, q, softcap):
+        path = self._kernel_path(layer, q, softcap)
+        if path is None:
             return super().attend(layer, q, q_positions, scale=scale, window=window,
                                   softcap=softcap)
-        return self._kernel_attend(layer, q, q_positions, scale, window)
+        return self._kernel_attend(layer, q, q_positions, scale, window, path)
 
     def update_attend(self, layer, q, k_new, v_new, positions, *, scale: float, window=None,
                       softcap=None):
-        if not self._kernel_takes(layer, q, softcap):
+        path = self._kernel_path(layer, q, softcap)
+        if path is None:
             return super().update_attend(layer, q, k_new, v_new, positions, scale=scale,
                                          window=window, softcap=softcap)
         cache = self.update(layer, k_new, v_new, positions)
-        return cache._kernel_attend(layer, q, positions, scale, window), cache
+        return cache._kernel_attend(layer, q, positions, scale, window, path), cache
 
 
 _MIXINS = {KVCache: _DenseKernelAttention, DynamicKVCache: _DenseKernelAttention,

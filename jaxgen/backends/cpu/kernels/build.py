@@ -81,10 +81,10 @@ ATTENTION_SOURCE = Path(__file__).with_name("decode_attention.cc")
 ATTENTION_TARGETS = {"jaxgen_decode_attention_dense": "JaxgenDecodeAttention",  # float32
                      "jaxgen_decode_attention_codes": "JaxgenDecodeAttentionCodes"}  # int8
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cc")
-PREFILL_TARGET_NAME = "jaxgen_prefill_attention"  # float32, many query positions
-PREFILL_HANDLER_SYMBOL = "JaxgenPrefillAttention"
+PREFILL_TARGETS = {"jaxgen_prefill_attention_dense": "JaxgenPrefillAttention",  # float32
+                   "jaxgen_prefill_attention_codes": "JaxgenPrefillAttentionCodes"}  # int8
 NATIVE_TARGETS = (TARGET_NAME, QUANTIZED_TARGET_NAME, *ATTENTION_TARGETS,
-                  PREFILL_TARGET_NAME)  # every FFI target a program may call
+                  *PREFILL_TARGETS)  # every FFI target a program may call
 SETTING_VARIABLE = "JAXGEN_CPU_KERNELS"
 SETTINGS = ("auto", "off")
 SETTING_WORDS = {"auto": "auto", "on": "auto", "1": "auto", "true": "auto", "yes": "auto",
@@ -338,7 +338,7 @@ def _registered(source: Path) -> bool:
     """True when `source`'s kernel is registered in this process (or found unavailable)."""
     registered = {QUANTIZED_SOURCE.name: _registered_quantized_target,
                   ATTENTION_SOURCE.name: _registered_attention_targets,
-                  PREFILL_SOURCE.name: _registered_prefill_target}.get(source.name,
+                  PREFILL_SOURCE.name: _registered_prefill_targets}.get(source.name,
                                                                        _registered_target)
     return bool(registered.cache_info().currsize)
 
@@ -463,18 +463,20 @@ def _registered_attention_targets() -> dict[str, str] | None:
     return {"dense": dense, "codes": codes}
 
 
-def prefill_target() -> str | None:
-    """The prefill-attention kernel's FFI target (float32 caches, many query positions), or
-    None when kernels are off, the few-row kernel is not available or this one cannot be
-    built (warned once, with the reason)."""
-    return None if ffi_target() is None else _registered_prefill_target()
+def prefill_targets() -> dict[str, str] | None:
+    """The prefill-attention kernel's FFI targets ({"dense": name, "codes": name}: float32
+    and int8 caches, many query positions), or None when kernels are off, the few-row kernel
+    is not available or this one cannot be built (warned once, with the reason)."""
+    return None if ffi_target() is None else _registered_prefill_targets()
 
 
 @functools.cache
-def _registered_prefill_target() -> str | None:
-    registered = _register(PREFILL_SOURCE, {PREFILL_TARGET_NAME: PREFILL_HANDLER_SYMBOL},
-                           "prefill-attention kernel", "long forwards attend through XLA")
-    return PREFILL_TARGET_NAME if registered else None
+def _registered_prefill_targets() -> dict[str, str] | None:
+    if not _register(PREFILL_SOURCE, PREFILL_TARGETS, "prefill-attention kernel",
+                     "long forwards attend through XLA"):
+        return None
+    dense, codes = PREFILL_TARGETS
+    return {"dense": dense, "codes": codes}
 
 
 def _attention_target(name: str) -> str | None:
@@ -482,13 +484,18 @@ def _attention_target(name: str) -> str | None:
     return name if attention_targets() is not None else None
 
 
+def _prefill_target(name: str) -> str | None:
+    """`name` when the prefill-attention library is registered, else None."""
+    return name if prefill_targets() is not None else None
+
+
 def register_targets(names) -> bool:
     """Registers the named FFI targets (NATIVE_TARGETS), building what is missing; True when
     every one is registered, False when one is not available (or not a target of these)."""
     registered = {TARGET_NAME: ffi_target, QUANTIZED_TARGET_NAME: quantized_target,
-                  PREFILL_TARGET_NAME: prefill_target,
                   **{name: functools.partial(_attention_target, name)
-                     for name in ATTENTION_TARGETS}}
+                     for name in ATTENTION_TARGETS},
+                  **{name: functools.partial(_prefill_target, name) for name in PREFILL_TARGETS}}
     return all(name in registered and registered[name]() == name for name in names)
 
 
@@ -544,5 +551,5 @@ __all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_query_bits", "attention_targ
            "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows",
            "kernel_max_rows",
            "kernel_folder", "kernel_setting", "library_ready", "parse_kernel_setting",
-           "prefill_target", "quantized_rounded_rows", "quantized_target", "register_targets",
+           "prefill_targets", "quantized_rounded_rows", "quantized_target", "register_targets",
            "start_background_build", "start_builds_for", "use_temporary_folder"]

@@ -2,7 +2,10 @@
 // a heads-major float32 KV cache, as tiles of matrix products with an online softmax.
 //
 //   q     [B, S, H, D]   float32 queries (H = G * Hkv query heads, G per KV head)
-//   k, v  [B, Hkv, T, D] float32 keys and values (slot j holds position j)
+//   k, v  [B, Hkv, T, D] float32 keys and values (slot j holds position j), or int8 codes
+//                        with per-token group scales k_scale [B, Hkv, T, Nk], v_scale
+//                        [B, Hkv, T, Nv] (an int8 cache: widened and scaled once a call, as
+//                        the keys are transposed)
 //   pos   [B, S]         int32 position of each query; key j is visible to it iff
 //                        j <= pos and (window <= 0 or pos - j < window): a contiguous range
 //   out   [B, S, H, D]   float32 softmax(scale * q . k) . v over the visible keys (0: none)
@@ -90,8 +93,15 @@ inline float max_lanes(V v) {
 struct Problem {
   int64_t batch, seq, heads, kv_heads, group, keys, dim;
   const float* q;
-  const float* k;
+  const float* k;           // float32 keys and values, or nullptr
   const float* v;
+  const int8_t* k_codes;    // int8 codes with per-token group scales, or nullptr
+  const int8_t* v_codes;
+  const float* k_scale;     // [B, Hkv, T, key_groups]
+  const float* v_scale;     // [B, Hkv, T, value_groups]
+  int64_t key_groups, value_groups;
+  int64_t value_rows;       // rows a (row, KV head) of the values read holds (v or values_f)
+  float* values_f;          // [B, Hkv, chunks * CHUNK, D]: int8 values widened (codes only)
   const int32_t* pos;
   int64_t window;
   float scale;
@@ -103,14 +113,28 @@ struct Problem {
   float* out;
 };
 
-// The keys of (b, h)'s chunk c transposed into [D][CHUNK] (zeros past the last key).
+// The keys of (b, h)'s chunk c transposed into [D][CHUNK] (zeros past the last key); int8
+// codes are widened and scaled on the way, and their values widened into values_f.
 void transpose_chunk(const Problem& p, int64_t bh, int64_t c) {
-  const int64_t D = p.dim;
+  const int64_t D = p.dim, first = bh * p.keys + c * CHUNK;
   float* out = p.keys_t + (bh * p.chunks + c) * D * CHUNK;
-  const float* rows = p.k + (bh * p.keys + c * CHUNK) * D;
   const int64_t count = std::min<int64_t>(CHUNK, p.reach - c * CHUNK);
-  for (int64_t j = 0; j < count; ++j)
-    for (int64_t d = 0; d < D; ++d) out[d * CHUNK + j] = rows[j * D + d];
+  if (p.k) {
+    const float* rows = p.k + first * D;
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t d = 0; d < D; ++d) out[d * CHUNK + j] = rows[j * D + d];
+  } else {
+    const int64_t key_width = D / p.key_groups, value_width = D / p.value_groups;
+    for (int64_t j = 0; j < count; ++j) {
+      const int8_t* codes = p.k_codes + (first + j) * D;
+      const float* scales = p.k_scale + (first + j) * p.key_groups;
+      for (int64_t d = 0; d < D; ++d) out[d * CHUNK + j] = codes[d] * scales[d / key_width];
+      const int8_t* value_codes = p.v_codes + (first + j) * D;
+      const float* value_scales = p.v_scale + (first + j) * p.value_groups;
+      float* values = p.values_f + (bh * p.value_rows + c * CHUNK + j) * D;
+      for (int64_t d = 0; d < D; ++d) values[d] = value_codes[d] * value_scales[d / value_width];
+    }
+  }
   for (int64_t j = count; j < CHUNK; ++j)
     for (int64_t d = 0; d < D; ++d) out[d * CHUNK + j] = 0.0f;
 }
@@ -245,7 +269,9 @@ void rows_chunk(const Problem& p, int64_t bh, int64_t c, Rows& s, int64_t first)
       for (int64_t d = 0; d < D; ++d) o[d] *= rescale;
     }
   }
-  value_rows<ROWS>(scores, count, p.v + (bh * p.keys + begin) * D, D,
+  const float* values = p.v ? p.v + (bh * p.keys + begin) * D
+                            : p.values_f + (bh * p.value_rows + begin) * D;
+  value_rows<ROWS>(scores, count, values, D,
                    s.out.data() + first * D);
 }
 
@@ -300,11 +326,10 @@ void unit(const Problem& p, int64_t index) {
     }
 }
 
-ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos,
-                       ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out,
-                       float scale) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
+// Shapes of q [B, S, H, D], k / v [B, Hkv, T, D] and pos [B, S] into p; an error if they
+// disagree.
+ffi::Error shapes(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                  ffi::Span<const int64_t> vd, ffi::Span<const int64_t> pd, Problem* p) {
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
     return ffi::Error::InvalidArgument("prefill_attention: q, k, v rank 4 and positions rank 2");
   for (int axis = 0; axis < 4; ++axis)
@@ -315,11 +340,12 @@ ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
     return ffi::Error::InvalidArgument(
         "prefill_attention: q [B, S, H, D], k / v [B, Hkv, T, D] with H a multiple of Hkv, "
         "positions [B, S], D a multiple of 8");
-  Problem p{};
-  p.batch = qd[0], p.seq = qd[1], p.heads = qd[2], p.dim = qd[3];
-  p.kv_heads = kd[1], p.keys = kd[2], p.group = p.heads / p.kv_heads;
-  p.q = q.typed_data(), p.k = k.typed_data(), p.v = v.typed_data(), p.pos = pos.typed_data();
-  p.window = window.typed_data()[0], p.scale = scale, p.out = out->typed_data();
+  p->batch = qd[0], p->seq = qd[1], p->heads = qd[2], p->dim = qd[3];
+  p->kv_heads = kd[1], p->keys = kd[2], p->group = p->heads / p->kv_heads;
+  return ffi::Error::Success();
+}
+
+ffi::Error run(ffi::ThreadPool& pool, Problem p) {
   if (p.batch * p.seq == 0 || p.dim == 0) return ffi::Error::Success();
   p.reach = 0;
   for (int64_t i = 0; i < p.batch * p.seq; ++i)
@@ -335,6 +361,9 @@ ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   p.blocks = (p.seq + p.query_rows - 1) / p.query_rows;
   std::vector<V> keys_t(std::max<int64_t>(heads * p.chunks * p.dim * CHUNK / LANES, 1));
   p.keys_t = reinterpret_cast<float*>(keys_t.data());
+  std::vector<V> values_f(p.v ? 1 : std::max<int64_t>(heads * p.chunks * CHUNK * p.dim / LANES, 1));
+  p.values_f = reinterpret_cast<float*>(values_f.data());
+  p.value_rows = p.chunks * CHUNK;
   const Problem& shared = p;
   run_blocks(pool, heads * p.chunks, [&shared](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) transpose_chunk(shared, i / shared.chunks, i % shared.chunks);
@@ -345,12 +374,59 @@ ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   return ffi::Error::Success();
 }
 
+ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos,
+                     ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out,
+                     float scale) {
+  Problem p{};
+  auto error = shapes(q.dimensions(), k.dimensions(), v.dimensions(), pos.dimensions(), &p);
+  if (error.failure()) return error;
+  p.q = q.typed_data(), p.k = k.typed_data(), p.v = v.typed_data(), p.pos = pos.typed_data();
+  p.window = window.typed_data()[0], p.scale = scale, p.out = out->typed_data();
+  return run(pool, p);
+}
+
+ffi::Error CodesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
+                     ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale,
+                     ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> pos,
+                     ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out,
+                     float scale) {
+  Problem p{};
+  auto error = shapes(q.dimensions(), k.dimensions(), v.dimensions(), pos.dimensions(), &p);
+  if (error.failure()) return error;
+  auto ks = k_scale.dimensions(), vs = v_scale.dimensions();
+  if (ks.size() != 4 || vs.size() != 4 || ks[2] != p.keys || vs[2] != p.keys ||
+      ks[0] != p.batch || vs[0] != p.batch || ks[1] != p.kv_heads || vs[1] != p.kv_heads)
+    return ffi::Error::InvalidArgument("prefill_attention: scales [B, Hkv, T, N] expected");
+  p.key_groups = ks[3], p.value_groups = vs[3];
+  if (p.key_groups < 1 || p.value_groups < 1 || p.dim % p.key_groups != 0 ||
+      p.dim % p.value_groups != 0)
+    return ffi::Error::InvalidArgument("prefill_attention: scale groups must divide D");
+  p.q = q.typed_data(), p.k_codes = k.typed_data(), p.v_codes = v.typed_data();
+  p.k_scale = k_scale.typed_data(), p.v_scale = v_scale.typed_data(), p.pos = pos.typed_data();
+  p.window = window.typed_data()[0], p.scale = scale, p.out = out->typed_data();
+  return run(pool, p);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenPrefillAttention, PrefillImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenPrefillAttention, DenseImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenPrefillAttentionCodes, CodesImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -26,30 +26,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.backends.cpu.kernels.build import prefill_target
+from jaxgen.backends.cpu.kernels.build import prefill_targets
 
 
 def available() -> bool:
     """True when the kernel is built and registered for this process (CPU only)."""
-    return prefill_target() is not None
+    return prefill_targets() is not None
 
 
-def runs(heads: int, kv_heads: int, head_dim: int) -> bool:
+def runs(heads: int, kv_heads: int, head_dim: int, key_groups: int = 1,
+         value_groups: int = 1) -> bool:
     """True when the kernel takes queries of `heads` heads over `kv_heads` KV heads of
-    head_dim channels (a multiple of 8)."""
-    return kv_heads > 0 and heads % kv_heads == 0 and head_dim > 0 and head_dim % 8 == 0
+    head_dim channels (a multiple of 8), int8 scale groups dividing them."""
+    return (kv_heads > 0 and heads % kv_heads == 0 and head_dim > 0 and head_dim % 8 == 0
+            and all(g > 0 and head_dim % g == 0 for g in (key_groups, value_groups)))
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, *,
-                      scale: float, window=None) -> jax.Array:
-    """q [B, S, H, D] float32 over k, v [B, Hkv, T, D] float32 (key j at position j), queries
-    at q_positions int32 [B, S]; key j visible iff j <= position (and position - j < window,
-    an int or int32 scalar; None: no window). Returns [B, S, H, D] float32 (zeros for a
-    query that sees no key). The kernel must be available."""
+                      scale: float, window=None, k_scale: jax.Array | None = None,
+                      v_scale: jax.Array | None = None) -> jax.Array:
+    """q [B, S, H, D] float32 over k, v [B, Hkv, T, D] (float32, or int8 codes with k_scale
+    [B, Hkv, T, Nk] / v_scale [B, Hkv, T, Nv] float32: key j = k[j] * its group's scale),
+    key j at position j, queries at q_positions int32 [B, S]; key j visible iff j <=
+    position (and position - j < window, an int or int32 scalar; None: no window). Returns
+    [B, S, H, D] float32 (zeros for a query that sees no key). The kernel must be available."""
+    targets = prefill_targets()
     window = jnp.asarray(0 if window is None else window, jnp.int32).reshape(1)  # [1]
-    call = jax.ffi.ffi_call(prefill_target(), jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                            vmap_method="sequential")
-    return call(q, k, v, q_positions.astype(jnp.int32), window, scale=np.float32(scale))
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)  # [B, S, H, D]
+    positions = q_positions.astype(jnp.int32)  # [B, S]
+    if k_scale is None:
+        call = jax.ffi.ffi_call(targets["dense"], out, vmap_method="sequential")
+        return call(q, k, v, positions, window, scale=np.float32(scale))
+    call = jax.ffi.ffi_call(targets["codes"], out, vmap_method="sequential")
+    return call(q, k, v, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), positions,
+                window, scale=np.float32(scale))
 
 
 __all__ = ["available", "prefill_attention", "runs"]
