@@ -7,7 +7,11 @@ import pytest
 from jaxgen.backends.cpu.kernel_matrix import KernelMatrix, kernel_layers, kernel_stacks
 from jaxgen.backends.cpu.kernels import build, few_rows
 from jaxgen.backends.cpu.kernels.few_rows import available, few_rows_product
-from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS
+from jaxgen.backends.cpu.tuning import (
+    INTEL_AVX512_KERNEL_MAX_ROWS,
+    KERNEL_MAX_ROWS,
+    STACKED_KERNEL_MAX_ROWS,
+)
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -69,7 +73,7 @@ def test_kernel_matrix_falls_back_past_the_row_bound_and_stands_for_its_k_by_n_w
     matrix = KernelMatrix(jnp.swapaxes(weight, 1, 2), layer=2)  # a layer of a stack [L, N, K]
     assert matrix.shape == (12, 20)
     # a layer of a stack keeps the kernel further (XLA would copy the layer out first)
-    own_bound = few_rows.max_rows()  # this host's: 16 on Intel AVX-512, else KERNEL_MAX_ROWS
+    own_bound = few_rows.max_rows()  # this host's (tuning.py)
     assert STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS >= own_bound
     for rows in (1, own_bound, own_bound + 1, KERNEL_MAX_ROWS + 1, STACKED_KERNEL_MAX_ROWS,
                  STACKED_KERNEL_MAX_ROWS + 1):
@@ -140,7 +144,9 @@ def test_the_build_reports_its_row_group_from_the_cpu_it_was_built_for(monkeypat
     flags = cpuinfo.split()
     assert few_rows.group_rows() == (8 if "avx512f" in flags else 4)  # built -march=native
     intel_avx512 = "avx512f" in flags and "GenuineIntel" in cpuinfo
-    assert few_rows.max_rows() == (16 if intel_avx512 else KERNEL_MAX_ROWS)
+    assert build.intel_avx512_host() == intel_avx512
+    bound = INTEL_AVX512_KERNEL_MAX_ROWS if intel_avx512 else KERNEL_MAX_ROWS
+    assert few_rows.max_rows() == bound
     monkeypatch.setenv("JAXGEN_CPU_KERNELS", "off")
     assert few_rows.group_rows() == 0 and few_rows.max_rows() == KERNEL_MAX_ROWS
 

@@ -69,6 +69,19 @@ def test_int8_kernel_equals_the_portable_attention_over_codes(batch, seq, heads,
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("scale", [0.25, 1.0])
+def test_scores_that_keep_rising_along_the_keys_rescale_the_running_sums(scale):
+    """Keys whose size grows along the sequence: each later chunk's scores pass the running
+    reference max by more than its margin, so rows rescale what they summed (the kernel's
+    exponentials then also see arguments up to the margin above 0)."""
+    q = _random((1, 150, 4, 16), 13)
+    growth = jnp.linspace(0.1, 30.0, 300)[None, None, :, None]  # [1, 1, T, 1]
+    k, v = _random((1, 2, 300, 16), 14) * growth, _random((1, 2, 300, 16), 15)
+    positions = jnp.arange(150, 300, dtype=jnp.int32)[None]  # [B, S]
+    got = kernel.prefill_attention(q, k, v, positions, scale=scale)
+    np.testing.assert_allclose(got, _portable(q, k, v, positions, scale), rtol=2e-4, atol=1e-5)
+
+
 def test_queries_in_any_order_and_rows_that_see_nothing():
     """Positions need not increase along the sequence; a query at -1 (an empty slot) gets
     zeros, its neighbours in the same row tile are unaffected."""
@@ -98,7 +111,8 @@ def test_positions_past_the_cache_see_every_key_and_later_keys_are_never_read():
 
 
 def test_kernel_under_vmap_equals_each_mapped_row():
-    q, k, v = _random((2, 1, 24, 4, 8), 10), _random((2, 1, 2, 30, 8), 11), _random((2, 1, 2, 30, 8), 12)
+    q = _random((2, 1, 24, 4, 8), 10)  # [A, B, S, H, D]
+    k, v = _random((2, 1, 2, 30, 8), 11), _random((2, 1, 2, 30, 8), 12)  # [A, B, Hkv, T, D]
     positions = jnp.stack([jnp.arange(24)[None], jnp.arange(6, 30)[None]]).astype(jnp.int32)
     mapped = jax.vmap(lambda *a: kernel.prefill_attention(*a, scale=0.5))(q, k, v, positions)
     for index in range(2):

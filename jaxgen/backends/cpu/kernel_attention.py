@@ -6,8 +6,8 @@ cache's `update_attend`) run `kernels/decode_attention` when the call is one it 
 (`_kernel_runs`: float32 queries, at most MAX_ROWS query rows per KV head, no soft-capping,
 no token tree; int8 codes without a residual ring, float32 scales); forwards of more query
 rows (a prefill) over a float32 dense cache or such int8 codes run `kernels/prefill_attention`;
-else the cache's own attention. `without_kernel_attention` gives the caller's class back. The backend's `prepare`
-swaps the class in at the top of a program whose cache it holds per layer, `finish` swaps
+else the cache's own attention. `without_kernel_attention` gives the caller's class back.
+The backend's `prepare` swaps the class in at the top of a program whose cache it holds per layer, `finish` swaps
 it out at the end, so the caller never holds one.
 
 The kernel reads only the keys a query can see, once; XLA:CPU's batched products read every
@@ -49,11 +49,13 @@ def _kernel_runs(q: jax.Array, num_kv_heads: int, softcap, tree_mask, groups=(1,
             and kernel.available())
 
 
-def _prefill_runs(q: jax.Array, k_layer: jax.Array, softcap, tree_mask) -> bool:
-    """The prefill kernel takes this attention call (decided while tracing)."""
-    return (q.dtype == jnp.float32 and k_layer.dtype == jnp.float32 and softcap is None
-            and tree_mask is None
-            and prefill_attention.runs(q.shape[2], k_layer.shape[1], q.shape[3])
+def _prefill_runs(q: jax.Array, num_kv_heads: int, softcap, tree_mask, groups=(1, 1)) -> bool:
+    """The prefill kernel takes this attention call (decided while tracing): float32 queries,
+    more query rows per KV head than the decode kernel takes, no soft-capping, no token tree."""
+    batch, seq, heads, dim = q.shape
+    return (q.dtype == jnp.float32 and softcap is None and tree_mask is None
+            and heads // max(num_kv_heads, 1) * seq > kernel.MAX_ROWS
+            and prefill_attention.runs(heads, num_kv_heads, dim, *groups)
             and prefill_attention.available())
 
 
@@ -71,7 +73,8 @@ class _DenseKernelAttention:
                                            q_positions, scale=scale,
                                            window=window)  # [B, Hkv, R, Dh]
             return heads_out(rows, q)
-        if _prefill_runs(q, k_layer, softcap, tree_mask):
+        if k_layer.dtype == jnp.float32 and _prefill_runs(q, k_layer.shape[1], softcap,
+                                                          tree_mask):
             return prefill_attention.prefill_attention(q, k_layer, v_layer, q_positions,
                                                        scale=scale, window=window)
         tree = {} if tree_mask is None else {"tree_mask": tree_mask}
@@ -94,11 +97,7 @@ class _CodesKernelAttention:
                                                      self.v_scale[layer].shape[-1])
         if _kernel_runs(q, kv_heads, softcap, None, groups):
             return "decode"
-        if (q.dtype == jnp.float32 and prefill_attention.runs(q.shape[2], kv_heads, q.shape[3],
-                                                              *groups)
-                and prefill_attention.available()):
-            return "prefill"
-        return None
+        return "prefill" if _prefill_runs(q, kv_heads, softcap, None, groups) else None
 
     def _kernel_attend(self, layer, q, q_positions, scale: float, window, path: str):
         rotation = self.rotation

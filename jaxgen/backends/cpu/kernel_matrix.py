@@ -3,8 +3,8 @@ few-row kernel (`jaxgen/backends/cpu/kernels/few_rows.py`) on CPU.
 
 `KernelMatrix` holds a [K, N] weight as its transpose `weight_nk` [N, K] (the layout the
 kernel streams row by row; a tied head is the embedding itself). `x @ m` (x [..., K]) runs the
-kernel for 1 to `max_rows()` rows of float32 (tuning.KERNEL_MAX_ROWS, 16 on Intel AVX-512
-hosts; STACKED_KERNEL_MAX_ROWS for a layer of a
+kernel for 1 to `max_rows()` rows of float32 (tuning.KERNEL_MAX_ROWS, or
+INTEL_AVX512_KERNEL_MAX_ROWS on Intel AVX-512 hosts; STACKED_KERNEL_MAX_ROWS for a layer of a
 stack, which XLA would copy out first) and XLA's product with the transposed weight otherwise
 (a long prefill). `jaxgen/backends/cpu/layer_split.for_decoding` wraps each layer matrix and the head
 this way when the kernel is available; the model's forward does not change.

@@ -70,8 +70,9 @@ def split_layers(params, fuse: bool = False, rowwise: bool = False, kernel: bool
     1 to ROWWISE_MAX_ROWS rows). rowwise: each layer matrix wrapped in
     `jaxgen/backends/cpu/rowwise.RowwiseMatrix`, so forwards of 2 to ROWWISE_MAX_ROWS rows run a
     matrix-vector product per row (CPU). kernel: each float32 layer matrix and the head
-    wrapped in `jaxgen/backends/cpu/kernel_matrix.KernelMatrix` instead (forwards of up to KERNEL_MAX_ROWS
-    rows run the native few-row kernel; a tied head is the embedding [V, D] itself, no copy).
+    wrapped in `jaxgen/backends/cpu/kernel_matrix.KernelMatrix` instead (forwards of up to
+    `few_rows.max_rows()` rows run the native few-row kernel; a tied head is the embedding
+    [V, D] itself, no copy).
     Other params unchanged. It is `split_pieces`, the barrier, then `with_split_pieces`."""
     if not is_stacked(params) and not (kernel and _plain_per_layer(params)):
         return params

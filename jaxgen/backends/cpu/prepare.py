@@ -13,7 +13,7 @@ calls, and the only entry into this package.
             layer_tuples, layout)              out (unless laid out already) and, with per-layer
                                                weights, the cache held as per-layer buffers,
                                                dense and int8 ones attending through the native
-                                               decode-attention kernel (kernel_attention.py)
+                                               attention kernels (kernel_attention.py)
     finish(state, stack=True)                  traced, at the end: the cache in the caller's
                                                class, stacked back (the caller's form, so
                                                donated buffers alias) unless stack is False

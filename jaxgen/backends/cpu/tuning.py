@@ -3,14 +3,18 @@
 
 Example:
     >>> STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS > ROWWISE_MAX_ROWS >= HEAD_BY_VOCAB_MIN_ROWS
+    >>> KERNEL_MAX_ROWS >= INTEL_AVX512_KERNEL_MAX_ROWS > ROWWISE_MAX_ROWS
     True
 """
 from __future__ import annotations
 
 # Few-row kernel (kernel_matrix.py): more rows run XLA's matrix-matrix product (16 rows: the
-# kernel 1.7x faster, 32: 1.15x, on the first host); Intel AVX-512 hosts stop at 16 rows
-# (`kernels/few_rows.max_rows`: there the kernel at 32 rows ran 0.63x XLA's speed).
+# kernel 1.7x faster, 32: 1.15x, on the first host).
 KERNEL_MAX_ROWS = 32
+# ... on Intel AVX-512 hosts (`kernels/few_rows.max_rows`), where XLA's products of more rows
+# are the faster (30 SmolLM2 layers, kernel against XLA: 16 rows 43.0 vs 44.7 ms, 20 rows
+# 50.2 vs 44.7, 32 rows 75.0 vs 47.2).
+INTEL_AVX512_KERNEL_MAX_ROWS = 16
 # A layer of a stack (the layout's quantized matrices; float32 layers have buffers of their
 # own): XLA's product would first copy the layer out of the stack (a dot reads whole
 # buffers; SmolLM2's 30 layers: 150-240 ms a pass), so the kernel runs further (30 float32
@@ -28,5 +32,6 @@ SPLIT_MIN_BYTES = 16 << 20
 # runs 1.3x faster on [D, V].
 HEAD_BY_VOCAB_MIN_ROWS = 3
 
-__all__ = ["HEAD_BY_VOCAB_MIN_ROWS", "KERNEL_MAX_ROWS", "ROWWISE_MAX_ROWS",
+__all__ = ["HEAD_BY_VOCAB_MIN_ROWS", "INTEL_AVX512_KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS",
+           "ROWWISE_MAX_ROWS",
            "SPLIT_MIN_BYTES", "STACKED_KERNEL_MAX_ROWS"]

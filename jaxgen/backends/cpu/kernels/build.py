@@ -1,6 +1,7 @@
 """Compile the native kernels (`few_rows.cc`; `quantized_rows.cc`, a library of its own built
 on the first quantized product; `decode_attention.cc` and `prefill_attention.cc`, two more, on
-the first attention through each) with the system C++ compiler on first use and register them with XLA.
+the first attention through each) with the system C++ compiler on first use and register them
+with XLA.
 
 The shared library lands in a private folder ($JAXGEN_KERNEL_DIR, else
 $XDG_CACHE_HOME/jaxgen/kernels, else ~/.cache/jaxgen/kernels; 0700, checked with every folder
@@ -505,13 +506,10 @@ def group_rows() -> int:
     return 0 if ffi_target() is None else int(_LOADED[SOURCE.name].JaxgenFewRowsGroupRows())
 
 
-def kernel_max_rows(fallback: int) -> int:
-    """The most input rows a float32 product runs the few-row kernel for on this host
-    (`few_rows.h`'s kernel_max_rows: 16 on Intel AVX-512 hosts, else `fallback`); `fallback`
-    when the kernel is not available."""
-    if ffi_target() is None:
-        return fallback
-    return int(_LOADED[SOURCE.name].JaxgenFewRowsMaxRows(ctypes.c_int(fallback)))
+def intel_avx512_host() -> bool:
+    """True when the built few-row kernel is an AVX-512 build running on an Intel CPU (the
+    hosts some tuned constants differ on: `tuning.py`); False when it is not available."""
+    return ffi_target() is not None and bool(_LOADED[SOURCE.name].JaxgenFewRowsIntelAvx512())
 
 
 def quantized_rounded_rows() -> int:
@@ -549,7 +547,7 @@ def main(argv=None) -> int:
 
 __all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_query_bits", "attention_targets",
            "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows",
-           "kernel_max_rows",
+           "intel_avx512_host",
            "kernel_folder", "kernel_setting", "library_ready", "parse_kernel_setting",
            "prefill_targets", "quantized_rounded_rows", "quantized_target", "register_targets",
            "start_background_build", "start_builds_for", "use_temporary_folder"]

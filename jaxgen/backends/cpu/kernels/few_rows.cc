@@ -59,6 +59,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenFewRows, FewRowsImpl,
 // (`few_rows.group_rows`).
 extern "C" int JaxgenFewRowsGroupRows() { return GROUP_ROWS; }
 
-// The most input rows a product should run this kernel for on this host (few_rows.h,
-// kernel_max_rows), for the Python side (`build.kernel_max_rows`).
-extern "C" int JaxgenFewRowsMaxRows(int fallback) { return kernel_max_rows(fallback); }
+// Whether this is an AVX-512 build on an Intel CPU (few_rows.h), for the Python side's
+// per-host choices (`build.intel_avx512_host`).
+extern "C" int JaxgenFewRowsIntelAvx512() { return intel_avx512_host() ? 1 : 0; }

@@ -155,13 +155,6 @@ inline bool intel_avx512_host() {
 // at 18.6-19.9), not on AMD ones, where the streaming path was measured the faster.
 inline bool two_rows_by_tiles() { return intel_avx512_host(); }
 
-// The most input rows a product runs this kernel for before XLA's matrix-matrix product
-// (kernel_matrix.py): 16 on Intel AVX-512 hosts, where XLA's products of more rows are the
-// faster (30 SmolLM2 layers, kernel against XLA: 16 rows 43.0 vs 44.7 ms, 20 rows 50.2 vs
-// 44.7, 32 rows 75.0 vs 47.2), `fallback` (tuning.KERNEL_MAX_ROWS, measured on the first
-// host) elsewhere.
-inline int kernel_max_rows(int fallback) { return intel_avx512_host() ? 16 : fallback; }
-
 // Weight rows a claimed block of an n-row weight covers with `threads` threads: on Intel
 // AVX-512 hosts one contiguous share a thread, so each thread's reads are one long stream
 // (60 SmolLM2 layers from memory, 1 / 2 / 4 / 8 rows: 32.6-33.1 / 29.6-30.3 / 32.4-32.6 /

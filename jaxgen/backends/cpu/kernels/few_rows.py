@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.backends.cpu.kernels.build import ffi_target, group_rows, kernel_max_rows
-from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS
+from jaxgen.backends.cpu.kernels.build import ffi_target, group_rows, intel_avx512_host
+from jaxgen.backends.cpu.tuning import INTEL_AVX512_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS
 
 
 def available() -> bool:
@@ -38,14 +38,14 @@ def available() -> bool:
 
 def max_rows() -> int:
     """The most input rows a float32 product runs the kernel for on this host, beyond which
-    XLA's matrix-matrix product is the faster: 16 on Intel AVX-512 hosts, KERNEL_MAX_ROWS
-    elsewhere (`few_rows.h`, kernel_max_rows), KERNEL_MAX_ROWS when the kernel is not built.
+    XLA's matrix-matrix product is the faster (`tuning.py`): INTEL_AVX512_KERNEL_MAX_ROWS on
+    Intel AVX-512 hosts, KERNEL_MAX_ROWS elsewhere and when the kernel is not built.
 
     Example:
-        >>> max_rows() in (16, KERNEL_MAX_ROWS)
+        >>> max_rows() in (INTEL_AVX512_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS)
         True
     """
-    return kernel_max_rows(KERNEL_MAX_ROWS)
+    return INTEL_AVX512_KERNEL_MAX_ROWS if intel_avx512_host() else KERNEL_MAX_ROWS
 
 
 def few_rows_product(x: jax.Array, w_nk: jax.Array, layer: int | None = None) -> jax.Array:

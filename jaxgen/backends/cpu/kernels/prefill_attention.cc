@@ -1,5 +1,6 @@
 // Causal attention of many query positions (a prefill, a long chunk of one) over one layer of
-// a heads-major float32 KV cache, as tiles of matrix products with an online softmax.
+// a heads-major KV cache (float32, or int8 codes with group scales), as tiles of matrix
+// products with an online softmax.
 //
 //   q     [B, S, H, D]   float32 queries (H = G * Hkv query heads, G per KV head)
 //   k, v  [B, Hkv, T, D] float32 keys and values (slot j holds position j), or int8 codes
@@ -21,6 +22,8 @@
 // row tile's causal edge (or its sliding window's) are masked.
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <new>
 #include <vector>
 
 #include "few_rows.h"
@@ -33,7 +36,7 @@ using namespace jaxgen_rows;
 
 typedef TileVector V;                                    // 16 lanes on AVX-512, else 8
 constexpr int LANES = sizeof(V) / sizeof(float);
-typedef int32_t IV __attribute__((vector_size(sizeof(V))));
+typedef uint32_t UV __attribute__((vector_size(sizeof(V))));  // bit patterns of V's lanes
 constexpr int CHUNK_VECTORS = 4;                         // a chunk's keys, in vectors
 constexpr int CHUNK = CHUNK_VECTORS * LANES;             // keys a chunk (64 / 32)
 constexpr int ROW_TILE = REGISTERS >= 32 ? 6 : 3;        // 24 / 12 accumulators
@@ -41,10 +44,11 @@ constexpr int64_t TARGET_ROWS = 192;                     // query rows a unit, a
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float SHIFT_MARGIN = 8.0f;
 
-// e^x lane by lane for x <= 0 (a few ulp; -inf gives exactly 0, below -80 as e^-80):
-// 2^n e^f with n = round(x / ln 2) read from the low bits of x / ln 2 + 1.5 * 2^23 (no
-// conversions), e^f by a degree-6 polynomial (minimax coefficients, as
-// decode_attention.cc's), and 2^n added to e^f's exponent bits (n >= -116: no underflow).
+// e^x lane by lane for x <= 88 (a few ulp; -inf gives exactly 0, below -80 as e^-80; the
+// lazy reference max keeps x <= SHIFT_MARGIN): 2^n e^f with n = round(x / ln 2) read from the
+// low bits of x / ln 2 + 1.5 * 2^23 (no conversions), e^f by a degree-6 polynomial (minimax
+// coefficients, as decode_attention.cc's), and 2^n added to e^f's exponent bits (-116 <= n
+// <= 127: no underflow, no overflow).
 inline V exp_lanes(V given) {
   const V lowest = V{} - 80.0f;
   const V x = given < lowest ? lowest : given;
@@ -58,10 +62,10 @@ inline V exp_lanes(V given) {
   p = p * f + 1.6666665459e-1f;
   p = p * f + 5.0000001201e-1f;
   const V e = p * f * f + f + 1.0f;
-  IV e_bits, n_bits;
+  UV e_bits, n_bits;
   std::memcpy(&e_bits, &e, sizeof(V));
   std::memcpy(&n_bits, &scaled, sizeof(V));
-  e_bits += n_bits << 23;                                 // bits(scaled) << 23 == n << 23
+  e_bits += n_bits << 23;                  // bits(scaled) << 23 == n << 23 (mod 2^32)
   V out;
   std::memcpy(&out, &e_bits, sizeof(V));
   return given == NEG_INF ? V{} : out;                   // masked keys weigh exactly 0
@@ -100,7 +104,6 @@ struct Problem {
   const float* k_scale;     // [B, Hkv, T, key_groups]
   const float* v_scale;     // [B, Hkv, T, value_groups]
   int64_t key_groups, value_groups;
-  int64_t value_rows;       // rows a (row, KV head) of the values read holds (v or values_f)
   float* values_f;          // [B, Hkv, chunks * CHUNK, D]: int8 values widened (codes only)
   const int32_t* pos;
   int64_t window;
@@ -131,7 +134,7 @@ void transpose_chunk(const Problem& p, int64_t bh, int64_t c) {
       for (int64_t d = 0; d < D; ++d) out[d * CHUNK + j] = codes[d] * scales[d / key_width];
       const int8_t* value_codes = p.v_codes + (first + j) * D;
       const float* value_scales = p.v_scale + (first + j) * p.value_groups;
-      float* values = p.values_f + (bh * p.value_rows + c * CHUNK + j) * D;
+      float* values = p.values_f + (bh * p.chunks * CHUNK + c * CHUNK + j) * D;
       for (int64_t d = 0; d < D; ++d) values[d] = value_codes[d] * value_scales[d / value_width];
     }
   }
@@ -270,7 +273,7 @@ void rows_chunk(const Problem& p, int64_t bh, int64_t c, Rows& s, int64_t first)
     }
   }
   const float* values = p.v ? p.v + (bh * p.keys + begin) * D
-                            : p.values_f + (bh * p.value_rows + begin) * D;
+                            : p.values_f + (bh * p.chunks * CHUNK + begin) * D;
   value_rows<ROWS>(scores, count, values, D,
                    s.out.data() + first * D);
 }
@@ -279,10 +282,10 @@ void rows_chunk(const Problem& p, int64_t bh, int64_t c, Rows& s, int64_t first)
 void tile_chunk(const Problem& p, int64_t bh, int64_t c, Rows& s, int64_t first, int64_t count) {
   int64_t r = 0;
   for (; r + ROW_TILE <= count; r += ROW_TILE) rows_chunk<ROW_TILE>(p, bh, c, s, first + r);
-  switch (count - r) {
-    case 5: rows_chunk<5 % ROW_TILE>(p, bh, c, s, first + r); break;
-    case 4: rows_chunk<4 % ROW_TILE>(p, bh, c, s, first + r); break;
-    case 3: rows_chunk<3 % ROW_TILE>(p, bh, c, s, first + r); break;
+  switch (count - r) {  // with ROW_TILE = 3 cases 3..5 never occur (the bound keeps them valid)
+    case 5: rows_chunk<std::min(5, ROW_TILE - 1)>(p, bh, c, s, first + r); break;
+    case 4: rows_chunk<std::min(4, ROW_TILE - 1)>(p, bh, c, s, first + r); break;
+    case 3: rows_chunk<std::min(3, ROW_TILE - 1)>(p, bh, c, s, first + r); break;
     case 2: rows_chunk<2>(p, bh, c, s, first + r); break;
     case 1: rows_chunk<1>(p, bh, c, s, first + r); break;
     default: break;
@@ -353,22 +356,30 @@ ffi::Error run(ffi::ThreadPool& pool, Problem p) {
   p.chunks = (p.reach + CHUNK - 1) / CHUNK;
   // Units of about TARGET_ROWS query rows, or more of them (down to 4 row tiles each) where
   // that leaves fewer than 4 units a thread
-  const int64_t heads = p.batch * p.kv_heads, rows = p.seq * p.group;
-  const int64_t wanted = std::min((4 * pool.num_threads() + heads - 1) / heads,
+  const int64_t pairs = p.batch * p.kv_heads, rows = p.seq * p.group;  // (row, KV head) pairs
+  const int64_t wanted = std::min((4 * pool.num_threads() + pairs - 1) / pairs,
                                   std::max<int64_t>(rows / (4 * ROW_TILE), 1));
-  int64_t blocks = std::max((rows + TARGET_ROWS - 1) / TARGET_ROWS, wanted);
-  p.query_rows = (p.seq + blocks - 1) / blocks;
+  const int64_t units = std::max({(rows + TARGET_ROWS - 1) / TARGET_ROWS, wanted, int64_t{1}});
+  p.query_rows = (p.seq + units - 1) / units;
   p.blocks = (p.seq + p.query_rows - 1) / p.query_rows;
-  std::vector<V> keys_t(std::max<int64_t>(heads * p.chunks * p.dim * CHUNK / LANES, 1));
-  p.keys_t = reinterpret_cast<float*>(keys_t.data());
-  std::vector<V> values_f(p.v ? 1 : std::max<int64_t>(heads * p.chunks * CHUNK * p.dim / LANES, 1));
-  p.values_f = reinterpret_cast<float*>(values_f.data());
-  p.value_rows = p.chunks * CHUNK;
+  // Scratch, uninitialized (every float read is written first): the transposed keys and, for
+  // int8 codes, the widened values of the keys some query sees.
+  std::unique_ptr<V[]> keys_t, values_f;
+  try {
+    keys_t.reset(new V[std::max<int64_t>(pairs * p.chunks * p.dim * CHUNK / LANES, 1)]);
+    if (!p.v) values_f.reset(new V[std::max<int64_t>(pairs * p.chunks * CHUNK * p.dim / LANES, 1)]);
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "prefill_attention: no memory for the transposed keys");
+  }
+  p.keys_t = reinterpret_cast<float*>(keys_t.get());
+  p.values_f = reinterpret_cast<float*>(values_f.get());
   const Problem& shared = p;
-  run_blocks(pool, heads * p.chunks, [&shared](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) transpose_chunk(shared, i / shared.chunks, i % shared.chunks);
+  run_blocks(pool, pairs * p.chunks, [&shared](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      transpose_chunk(shared, i / shared.chunks, i % shared.chunks);
   }, 16);
-  run_blocks(pool, heads * p.blocks, [&shared](int64_t begin, int64_t end) {
+  run_blocks(pool, pairs * p.blocks, [&shared](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) unit(shared, u);
   }, 1);
   return ffi::Error::Success();
