@@ -7,6 +7,7 @@ import pytest
 
 from jaxgen.backends.cpu.kernels import prefill_attention as kernel
 from jaxgen.cache.attention import KeyBlock, attend_blocks
+from test_decode_attention_kernel import _random
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -15,10 +16,6 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU ke
 def _built(monkeypatch):
     monkeypatch.delenv("JAXGEN_CPU_KERNELS", raising=False)
     assert kernel.available(), "the kernel must build on the test machine (a C++ compiler)"
-
-
-def _random(shape, seed):
-    return jnp.asarray(np.random.RandomState(seed).standard_normal(shape), jnp.float32)
 
 
 def _portable(q, k, v, positions, scale, window=None):

@@ -71,7 +71,7 @@ from jaxgen.storage.private import (
     private_folder_or_fallback,
 )
 
-HEADER = Path(__file__).with_name("few_rows.h")  # shared by both sources
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources (few_rows.h, ...)
 SOURCE = Path(__file__).with_name("few_rows.cc")
 QUANTIZED_SOURCE = Path(__file__).with_name("quantized_rows.cc")
 TARGET_NAME = "jaxgen_few_rows"  # what ffi_target() names: float32 weights
@@ -195,7 +195,7 @@ def _compiler_version(deadline: float) -> str:
 def _library_name(source: Path, flags: tuple[str, ...], deadline: float) -> str:
     version = _compiler_version(deadline)
     digest = hashlib.sha256("\n".join([
-        source.read_text(), HEADER.read_text(), " ".join(flags), jaxlib.__version__, version,
+        source.read_text(), *(header.read_text() for header in HEADERS), " ".join(flags), jaxlib.__version__, version,
         _cpu_flags(),
     ]).encode()).hexdigest()[:16]
     return f"{source.stem}-{digest}.so"

@@ -18,6 +18,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_ffi.h"
 #include "few_rows.h"
 
 #ifdef __AVX2__
@@ -599,28 +600,10 @@ ffi::Error CodesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenDecodeAttention, DenseImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                              jaxgen_rows::dense_attention_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenDecodeAttentionCodes, CodesImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                              jaxgen_rows::codes_attention_binding());
 
 // Bits of the integer codes the int8 path rounds each query row to for key scale groups of a
 // multiple of 16 channels (16, where AVX2 has the int16 multiply-adds; 0: float queries), for

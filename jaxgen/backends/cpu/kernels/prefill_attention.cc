@@ -26,6 +26,7 @@
 #include <new>
 #include <vector>
 
+#include "attention_ffi.h"
 #include "few_rows.h"
 
 namespace ffi = xla::ffi;
@@ -422,25 +423,7 @@ ffi::Error CodesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenPrefillAttention, DenseImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                              jaxgen_rows::dense_attention_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgenPrefillAttentionCodes, CodesImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                              jaxgen_rows::codes_attention_binding());
