@@ -7,8 +7,8 @@ cache's `update_attend`) run `kernels/decode_attention` when the call is one it 
 no token tree; int8 codes without a residual ring, float32 scales); forwards of more query
 rows (a prefill) over a float32 dense cache or such int8 codes run `kernels/prefill_attention`;
 else the cache's own attention. `without_kernel_attention` gives the caller's class back.
-The backend's `prepare` swaps the class in at the top of a program whose cache it holds per layer, `finish` swaps
-it out at the end, so the caller never holds one.
+The backend's `prepare` swaps the class in at the top of a program whose cache it holds per
+layer, `finish` swaps it out at the end, so the caller never holds one.
 
 The kernel reads only the keys a query can see, once; XLA:CPU's batched products read every
 slot the cache holds (allocated for the whole generation). On an AVX2 host (Zen 1, two
