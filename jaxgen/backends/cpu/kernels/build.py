@@ -195,8 +195,8 @@ def _compiler_version(deadline: float) -> str:
 def _library_name(source: Path, flags: tuple[str, ...], deadline: float) -> str:
     version = _compiler_version(deadline)
     digest = hashlib.sha256("\n".join([
-        source.read_text(), *(header.read_text() for header in HEADERS), " ".join(flags), jaxlib.__version__, version,
-        _cpu_flags(),
+        source.read_text(), *(header.read_text() for header in HEADERS), " ".join(flags),
+        jaxlib.__version__, version, _cpu_flags(),
     ]).encode()).hexdigest()[:16]
     return f"{source.stem}-{digest}.so"
 
