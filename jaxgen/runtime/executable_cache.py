@@ -12,8 +12,8 @@ program by what determines it, computed without tracing:
   * jax and jaxlib versions, the backend and its devices, every jax config value (but
     cache and logging settings), $XLA_FLAGS / $LIBTPU_INIT_ARGS and the native kernels'
     setting as parsed (jaxgen.runtime.backend.kernel_setting: `=0` and `=off` are one key),
-  * the host CPU's vendor and feature flags (`host_cpu`: XLA:CPU compiles for the features it
-    finds, and the CPU layouts choose some paths by vendor),
+  * the host CPU's vendor and feature flags (`jaxgen.storage.host_cpu`: XLA:CPU compiles for
+    the features it finds, and the CPU layouts choose some paths by vendor),
   * a hash of jaxgen's own source files, the native kernels' included (the program is the
     code's output).
 
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import hashlib
 import io
 import json
@@ -62,7 +61,6 @@ import logging
 import os
 import pathlib
 import pickle
-import platform
 import tempfile
 import time
 import warnings
@@ -71,6 +69,7 @@ import jax
 
 from jaxgen.runtime import backend
 from jaxgen.runtime.executable_format import Uncacheable, compile_fresh, describe, rebuild
+from jaxgen.storage.host_cpu import host_cpu
 from jaxgen.storage.keyed_hash import TAG_BYTES, sign, user_key, verify
 from jaxgen.storage.private import (
     private_folder_or_fallback,
@@ -180,25 +179,6 @@ def environment() -> tuple:
             tuple((name, os.environ.get(name, "")) for name in ENVIRONMENT_VARIABLES),
             ("native kernels", backend.kernel_setting()), ("host cpu", host_cpu()),
             source_hash())
-
-
-@functools.cache
-def host_cpu() -> str:
-    """The host CPU's vendor and feature flags (/proc/cpuinfo; the machine name elsewhere):
-    XLA:CPU compiles for the features it finds, and jaxgen's CPU layouts choose by vendor
-    (an executable from an AVX-512 host must not load on an AVX2 one)."""
-    try:
-        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine()
-    wanted = ("vendor_id", "flags", "CPU implementer", "Features")
-    found = {}
-    for line in lines:
-        name = line.split(":", 1)[0].strip()
-        if name in wanted and name not in found:
-            found[name] = line.split(":", 1)[-1].strip()
-    return "; ".join(f"{name}: {found[name]}" for name in wanted if name in found) or \
-        platform.machine()
 
 
 def _leaf_signature(leaf) -> tuple:

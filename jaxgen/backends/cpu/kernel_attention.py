@@ -67,16 +67,16 @@ class _DenseKernelAttention:
     def attend(self, layer, q, q_positions, *, scale: float, window=None, softcap=None,
                tree_mask=None):
         k_layer, v_layer = self.k[layer], self.v[layer]  # [B, Hkv, T, Dh]
-        if k_layer.dtype == jnp.float32 and _kernel_runs(q, k_layer.shape[1], softcap,
-                                                         tree_mask):
-            rows = kernel.decode_attention(query_rows(q, k_layer.shape[1]), k_layer, v_layer,
-                                           q_positions, scale=scale,
-                                           window=window)  # [B, Hkv, R, Dh]
-            return heads_out(rows, q)
-        if k_layer.dtype == jnp.float32 and _prefill_runs(q, k_layer.shape[1], softcap,
-                                                          tree_mask):
-            return prefill_attention.prefill_attention(q, k_layer, v_layer, q_positions,
-                                                       scale=scale, window=window)
+        kv_heads = k_layer.shape[1]
+        if k_layer.dtype == jnp.float32:
+            if _kernel_runs(q, kv_heads, softcap, tree_mask):
+                rows = kernel.decode_attention(query_rows(q, kv_heads), k_layer, v_layer,
+                                               q_positions, scale=scale,
+                                               window=window)  # [B, Hkv, R, Dh]
+                return heads_out(rows, q)
+            if _prefill_runs(q, kv_heads, softcap, tree_mask):
+                return prefill_attention.prefill_attention(q, k_layer, v_layer, q_positions,
+                                                           scale=scale, window=window)
         tree = {} if tree_mask is None else {"tree_mask": tree_mask}
         return super().attend(layer, q, q_positions, scale=scale, window=window,
                               softcap=softcap, **tree)

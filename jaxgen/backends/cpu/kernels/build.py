@@ -49,7 +49,6 @@ import functools
 import hashlib
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -64,6 +63,7 @@ import jaxlib
 
 from jaxgen.backends.cpu.kernels.compiler_run import run_compiler, terms_while_waiting
 from jaxgen.backends.cpu.tuning import SPLIT_MIN_BYTES
+from jaxgen.storage.host_cpu import host_cpu
 from jaxgen.storage.private import (
     NotPrivate,
     check_private_file,
@@ -172,16 +172,6 @@ def _compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.machine()
-
-
 _VERSIONS: dict[str, str] = {}  # compiler -> its `--version` text (asked once a process)
 
 
@@ -196,7 +186,7 @@ def _library_name(source: Path, flags: tuple[str, ...], deadline: float) -> str:
     version = _compiler_version(deadline)
     digest = hashlib.sha256("\n".join([
         source.read_text(), *(header.read_text() for header in HEADERS), " ".join(flags),
-        jaxlib.__version__, version, _cpu_flags(),
+        jaxlib.__version__, version, host_cpu(),
     ]).encode()).hexdigest()[:16]
     return f"{source.stem}-{digest}.so"
 
@@ -455,13 +445,19 @@ def attention_targets() -> dict[str, str] | None:
     return None if ffi_target() is None else _registered_attention_targets()
 
 
+def _by_cache_kind(targets: dict[str, str]) -> dict[str, str]:
+    """An attention library's {FFI target: symbol} (float32 first, int8 second) as
+    {"dense": target, "codes": target}."""
+    dense, codes = targets
+    return {"dense": dense, "codes": codes}
+
+
 @functools.cache
 def _registered_attention_targets() -> dict[str, str] | None:
     if not _register(ATTENTION_SOURCE, ATTENTION_TARGETS, "decode-attention kernel",
                      "attention runs XLA's own products"):
         return None
-    dense, codes = ATTENTION_TARGETS
-    return {"dense": dense, "codes": codes}
+    return _by_cache_kind(ATTENTION_TARGETS)
 
 
 def prefill_targets() -> dict[str, str] | None:
@@ -476,27 +472,22 @@ def _registered_prefill_targets() -> dict[str, str] | None:
     if not _register(PREFILL_SOURCE, PREFILL_TARGETS, "prefill-attention kernel",
                      "long forwards attend through XLA"):
         return None
-    dense, codes = PREFILL_TARGETS
-    return {"dense": dense, "codes": codes}
+    return _by_cache_kind(PREFILL_TARGETS)
 
 
-def _attention_target(name: str) -> str | None:
-    """`name` when the decode-attention library is registered, else None."""
-    return name if attention_targets() is not None else None
-
-
-def _prefill_target(name: str) -> str | None:
-    """`name` when the prefill-attention library is registered, else None."""
-    return name if prefill_targets() is not None else None
+def _target_of(library, name: str) -> str | None:
+    """`name` when `library()` (attention_targets, prefill_targets) is registered, else None."""
+    return name if library() is not None else None
 
 
 def register_targets(names) -> bool:
     """Registers the named FFI targets (NATIVE_TARGETS), building what is missing; True when
     every one is registered, False when one is not available (or not a target of these)."""
     registered = {TARGET_NAME: ffi_target, QUANTIZED_TARGET_NAME: quantized_target,
-                  **{name: functools.partial(_attention_target, name)
+                  **{name: functools.partial(_target_of, attention_targets, name)
                      for name in ATTENTION_TARGETS},
-                  **{name: functools.partial(_prefill_target, name) for name in PREFILL_TARGETS}}
+                  **{name: functools.partial(_target_of, prefill_targets, name)
+                     for name in PREFILL_TARGETS}}
     return all(name in registered and registered[name]() == name for name in names)
 
 

@@ -26,9 +26,8 @@ Example:
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from jaxgen.backends.cpu.kernels.attention_ffi import attention_call
 from jaxgen.backends.cpu.kernels.build import attention_query_bits as query_bits
 from jaxgen.backends.cpu.kernels.build import attention_targets
 from jaxgen.backends.cpu.kernels.int16_rounding import int16_rounded
@@ -54,6 +53,7 @@ def rounded_queries(q_rows: jax.Array, key_groups: int) -> jax.Array:
     else unchanged.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> row = jnp.array([[1.0, -0.5] + [0.0] * 14])             # [1, 16]
         >>> out = rounded_queries(row, 1)
         >>> bool(jnp.abs(out - row).max() <= 1.0 / 65534)
@@ -73,16 +73,8 @@ def decode_attention(q_rows: jax.Array, k: jax.Array, v: jax.Array, q_positions:
     q_positions int32 [B, S]; key j visible iff j <= position (and position - j < window,
     an int or int32 scalar; None: no window). Returns [B, H, R, D] float32 (zeros for a row
     that sees no key). The kernel must be available."""
-    targets = attention_targets()
-    window = jnp.asarray(0 if window is None else window, jnp.int32).reshape(1)  # [1]
-    out = jax.ShapeDtypeStruct(q_rows.shape, jnp.float32)  # [B, H, R, D]
-    positions = q_positions.astype(jnp.int32)  # [B, S]
-    if k_scale is None:
-        call = jax.ffi.ffi_call(targets["dense"], out, vmap_method="sequential")
-        return call(q_rows, k, v, positions, window, scale=np.float32(scale))
-    call = jax.ffi.ffi_call(targets["codes"], out, vmap_method="sequential")
-    return call(q_rows, k, v, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32),
-                positions, window, scale=np.float32(scale))
+    return attention_call(attention_targets(), q_rows, k, v, q_positions, scale=scale,
+                          window=window, k_scale=k_scale, v_scale=v_scale)  # [B, H, R, D]
 
 
 __all__ = ["MAX_ROWS", "available", "decode_attention", "query_bits", "rounded_queries", "runs"]

@@ -23,9 +23,8 @@ Example:
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from jaxgen.backends.cpu.kernels.attention_ffi import attention_call
 from jaxgen.backends.cpu.kernels.build import prefill_targets
 
 
@@ -50,16 +49,8 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax
     key j at position j, queries at q_positions int32 [B, S]; key j visible iff j <=
     position (and position - j < window, an int or int32 scalar; None: no window). Returns
     [B, S, H, D] float32 (zeros for a query that sees no key). The kernel must be available."""
-    targets = prefill_targets()
-    window = jnp.asarray(0 if window is None else window, jnp.int32).reshape(1)  # [1]
-    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)  # [B, S, H, D]
-    positions = q_positions.astype(jnp.int32)  # [B, S]
-    if k_scale is None:
-        call = jax.ffi.ffi_call(targets["dense"], out, vmap_method="sequential")
-        return call(q, k, v, positions, window, scale=np.float32(scale))
-    call = jax.ffi.ffi_call(targets["codes"], out, vmap_method="sequential")
-    return call(q, k, v, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), positions,
-                window, scale=np.float32(scale))
+    return attention_call(prefill_targets(), q, k, v, q_positions, scale=scale, window=window,
+                          k_scale=k_scale, v_scale=v_scale)  # [B, S, H, D]
 
 
 __all__ = ["available", "prefill_attention", "runs"]
