@@ -2,6 +2,8 @@
 real SmolLM2 vocabulary (the check must fire at exactly the same positions)."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,41 @@ def test_random_token_sequences_match(smollm2_tokenizers):
     for _ in range(10):
         ids = [int(i) for i in rng.choice(pool, size=30)]
         assert _our_hits(tables, ids) == _hf_hits(hf_tok, stops, ids)
+
+
+def test_long_stop_string_spanning_many_tokens(smollm2_tokenizers):
+    """A stop string of dozens of tokens fires where transformers' does, and only at its end."""
+    tok, hf_tok = smollm2_tokenizers
+    long_stop = TEXT[24:150]  # starts mid-token, ends mid-token, spans about 30 tokens
+    ids = tok.encode(TEXT)
+    want = _hf_hits(hf_tok, [long_stop], ids)
+    assert sum(want) == 1
+    assert _our_hits(build_stop_tables(tok, [long_stop, "stop"], 49152), ids) == [
+        a or b for a, b in zip(want, _hf_hits(hf_tok, ["stop"], ids))]
+
+
+def test_check_program_size_does_not_grow_with_the_strings(smollm2_tokenizers):
+    """The walk back over the window is one loop in the program: a 200-character stop string
+    traces to as many operations as a 2-character one (it used to unroll one block a
+    character, minutes of compile and GBs for long strings)."""
+    tok, _ = smollm2_tokenizers
+    tokens, lengths = jnp.zeros((2, 16), jnp.int32), jnp.array([3, 16], jnp.int32)  # [B, T]; [B]
+
+    def operations(stop):
+        tables = build_stop_tables(tok, [stop], 49152)
+        return len(jax.make_jaxpr(stop_string_hit)(tables, tokens, lengths).eqns)
+
+    assert operations("ab") == operations("ab" * 100)
+
+
+@pytest.mark.parametrize("stops, shown", [(["x" * 257], "the longest 257 characters"),
+                                          ([f"s{i}" for i in range(65)], "got 65 string(s)")])
+def test_stop_strings_are_bounded(stops, shown):
+    from jaxgen import GenerationConfig
+
+    with pytest.raises(ValueError, match=f"stop_strings.*at most 64 strings.*256.*{re.escape(shown)}"):
+        GenerationConfig(max_new_tokens=4, stop_strings=stops)
+    GenerationConfig(max_new_tokens=4, stop_strings=["x" * 256] + [f"s{i}" for i in range(63)])
 
 
 def test_stop_strings_need_a_tokenizer():

@@ -28,6 +28,10 @@ import numpy as np
 FILTER_IMPLS = ("search", "sort")
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Stop strings: their device tables hold vocabulary rows x strings x characters booleans
+# (jaxgen/stopping/strings.py), so both axes are bounded.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
 
 
 def _concrete(value) -> bool:
@@ -237,6 +241,11 @@ def validate_processor_fields(cfg) -> None:
                 or any(not isinstance(s, str) or not s for s in strings)):
             raise ValueError(f"`stop_strings` must be a non-empty string or a non-empty list of "
                              f"non-empty strings, got {cfg.stop_strings!r}")
+        if len(strings) > MAX_STOP_STRINGS or max(map(len, strings)) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"`stop_strings` allows at most {MAX_STOP_STRINGS} strings of at "
+                             f"most {MAX_STOP_STRING_CHARS} characters each, got "
+                             f"{len(strings)} string(s), the longest "
+                             f"{max(map(len, strings))} characters")
         set_("stop_strings", tuple(strings))
     impl = getattr(cfg, "filter_impl", "search")
     if impl not in FILTER_IMPLS:

@@ -20,7 +20,9 @@ token to it (row 0 is all-false).
 Device side, per step: walk back from the newest token over the last `window` tokens
 (window = the longest stop string: at least one character per token) keeping the set of
 matched-suffix lengths m as a bool vector [B, S, W]; a stop string fires as soon as some m
-reaches len(s). About window x S x W boolean ops per row: negligible next to a decode step.
+reaches len(s). The walk is a loop in the program (its size does not grow with the strings)
+that ends as soon as no partial match is alive: usually after a token or two, at most window
+steps of S x W boolean ops per row, negligible next to a decode step.
 
 Example (a byte-level BPE that splits "stop" as "st" + "op"):
     >>> import jax.numpy as jnp
@@ -351,12 +353,20 @@ def stop_string_hit(tables: StopStringTables, tokens: jax.Array, length: jax.Arr
     target = tables.target[None, :, None]  # [1, S, 1]
     states = tables.end[rows[:, 0]]  # [B, S, W] matched-suffix lengths after the newest token
     matched = jnp.any(states & (m >= target), axis=-1)  # [B, S]
-    for j in range(1, tables.window):
-        cont = states & tables.valid[rows[:, j]] & (j < reach)  # [B, S, W]
+
+    def more(carry):  # tokens left in the window and some partial match still alive
+        j, states, _ = carry
+        return (j < tables.window) & (j < reach) & jnp.any(states)
+
+    def back_one(carry):  # extend every live partial match over the token j places back
+        j, states, matched = carry
+        cont = states & tables.valid[rows[:, j]]  # [B, S, W]
         step = lengths[:, j][:, None, None]  # [B, 1, 1]
-        matched |= jnp.any(cont & (m + step >= target), axis=-1)
+        matched |= jnp.any(cont & (m + step >= target), axis=-1)  # [B, S]
         source = m[None, None, :] - step  # [B, 1, W]
         moved = jnp.take_along_axis(cont, jnp.broadcast_to(jnp.clip(source, 0, width - 1),
                                                            cont.shape), axis=-1)
-        states = moved & (source >= 0)  # [B, S, W]
+        return j + 1, moved & (source >= 0), matched  # states [B, S, W]
+
+    _, _, matched = jax.lax.while_loop(more, back_one, (jnp.int32(1), states, matched))
     return jnp.any(matched, axis=-1)  # [B]
