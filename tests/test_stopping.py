@@ -106,11 +106,14 @@ def test_check_program_size_does_not_grow_with_the_strings(smollm2_tokenizers):
 
 @pytest.mark.parametrize("stops, shown", [(["x" * 257], "the longest 257 characters"),
                                           ([f"s{i}" for i in range(65)], "got 65 string(s)")])
-def test_stop_strings_are_bounded(stops, shown):
-    from jaxgen import GenerationConfig
+def test_stop_strings_are_bounded(smollm2_tokenizers, stops, shown):
+    from jaxgen import GenerationConfig, StopStringCriteria
 
-    with pytest.raises(ValueError, match=f"stop_strings.*at most 64 strings.*256.*{re.escape(shown)}"):
+    pattern = f"stop_strings.*at most 64 strings.*256.*{re.escape(shown)}"
+    with pytest.raises(ValueError, match=pattern):
         GenerationConfig(max_new_tokens=4, stop_strings=stops)
+    with pytest.raises(ValueError, match=pattern):  # HF's criteria object: the same bounds
+        StopStringCriteria(smollm2_tokenizers[0], stops)
     GenerationConfig(max_new_tokens=4, stop_strings=["x" * 256] + [f"s{i}" for i in range(63)])
 
 

@@ -34,6 +34,32 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 
 
+def check_stop_strings(strings) -> tuple[str, ...]:
+    """`stop_strings` as a tuple, or a ValueError naming the field and its bounds: a non-empty
+    string or list of non-empty strings, at most MAX_STOP_STRINGS of at most
+    MAX_STOP_STRING_CHARS characters each.
+
+    >>> check_stop_strings("stop")
+    ('stop',)
+    >>> check_stop_strings(["a" * 300])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: `stop_strings` allows at most 64 strings of at most 256 characters each, ...
+    """
+    given = strings
+    if isinstance(strings, str):
+        strings = (strings,)
+    if (not isinstance(strings, (list, tuple)) or not strings
+            or any(not isinstance(s, str) or not s for s in strings)):
+        raise ValueError(f"`stop_strings` must be a non-empty string or a non-empty list of "
+                         f"non-empty strings, got {given!r}")
+    longest = max(map(len, strings))
+    if len(strings) > MAX_STOP_STRINGS or longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"`stop_strings` allows at most {MAX_STOP_STRINGS} strings of at most "
+                         f"{MAX_STOP_STRING_CHARS} characters each, got {len(strings)} "
+                         f"string(s), the longest {longest} characters")
+    return tuple(strings)
+
+
 def _concrete(value) -> bool:
     return not isinstance(value, jax.core.Tracer)
 
@@ -233,20 +259,8 @@ def validate_processor_fields(cfg) -> None:
         check_float("exponential_decay_length_penalty", decay[1], low=0.0, low_open=True,
                     allowed=allowed, shown=repr(decay))
         set_("exponential_decay_length_penalty", (int(decay[0]), float(decay[1])))
-    strings = cfg.stop_strings
-    if strings is not None:
-        if isinstance(strings, str):
-            strings = (strings,)
-        if (not isinstance(strings, (list, tuple)) or not strings
-                or any(not isinstance(s, str) or not s for s in strings)):
-            raise ValueError(f"`stop_strings` must be a non-empty string or a non-empty list of "
-                             f"non-empty strings, got {cfg.stop_strings!r}")
-        if len(strings) > MAX_STOP_STRINGS or max(map(len, strings)) > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"`stop_strings` allows at most {MAX_STOP_STRINGS} strings of at "
-                             f"most {MAX_STOP_STRING_CHARS} characters each, got "
-                             f"{len(strings)} string(s), the longest "
-                             f"{max(map(len, strings))} characters")
-        set_("stop_strings", tuple(strings))
+    if cfg.stop_strings is not None:
+        set_("stop_strings", check_stop_strings(cfg.stop_strings))
     impl = getattr(cfg, "filter_impl", "search")
     if impl not in FILTER_IMPLS:
         raise ValueError(f"`filter_impl` must be one of {FILTER_IMPLS}, got {impl!r}")

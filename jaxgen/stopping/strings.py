@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.config.fields import check_stop_strings
+
 # (id(tokenizer), strings, vocab) -> (tokenizer, host tables), least recently used first;
 # at most TABLE_CACHE_SIZE entries (each holds two [vocab] arrays).
 _TABLE_CACHE: dict = {}
@@ -314,10 +316,7 @@ def build_stop_tables(tokenizer, stop_strings: str | Sequence[str],
     if tokenizer is None:
         raise ValueError("`stop_strings` needs a tokenizer to map strings to tokens: pass "
                          "tokenizer= to init_state / generate_ids / generate_text")
-    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
-    if not strings or any(not isinstance(s, str) or not s for s in strings):
-        raise ValueError(f"`stop_strings` must be a non-empty string or list of non-empty "
-                         f"strings, got {stop_strings!r}")
+    strings = check_stop_strings(stop_strings)
     key = (id(tokenizer), strings, int(vocab_size))
     cached = _TABLE_CACHE.get(key)
     if cached is None or cached[0] is not tokenizer:
