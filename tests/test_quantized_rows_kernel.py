@@ -14,12 +14,17 @@ from jaxgen.backends.cpu.kernels.quantized_rows import (
     rounded_row_limit,
     rounded_rows,
     runs,
+    stacked_max_rows,
 )
 from jaxgen.backends.cpu.quantized_kernel_matrix import (
     QuantizedKernelMatrix,
     kernel_takes,
 )
-from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS
+from jaxgen.backends.cpu.tuning import (
+    INTEL_AVX512_STACKED_KERNEL_MAX_ROWS,
+    KERNEL_MAX_ROWS,
+    STACKED_KERNEL_MAX_ROWS,
+)
 from jaxgen.models.gguf_blocks import block_matrix
 from jaxgen.models.quantize import Int8Matrix, quantize_matrix
 
@@ -154,11 +159,11 @@ def test_quantized_kernel_matrix_stands_for_its_weight_and_falls_back_past_the_b
     dense = matrix.dequantize()[2]  # [K, N]
     np.testing.assert_array_equal(np.asarray(own.dequantize()), np.asarray(dense))
     groups = {"int8": 1, "int8-groups": 4}.get(source, 2)  # of the 64 inputs
-    for rows in (1, 2, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, STACKED_KERNEL_MAX_ROWS,
-                 STACKED_KERNEL_MAX_ROWS + 1):
+    stacked_bound = stacked_max_rows()  # this host's (tuning.py)
+    for rows in (1, 2, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, stacked_bound, stacked_bound + 1):
         x = jax.random.normal(jax.random.key(rows), (rows, 1, 64))
-        seen = rounded_rows(x, groups) if rows <= STACKED_KERNEL_MAX_ROWS else x
-        for m, bound in ((stacked, STACKED_KERNEL_MAX_ROWS), (own, KERNEL_MAX_ROWS)):
+        seen = rounded_rows(x, groups) if rows <= stacked_bound else x
+        for m, bound in ((stacked, stacked_bound), (own, KERNEL_MAX_ROWS)):
             lowered = jax.jit(lambda x, m: x @ m).lower(x, m).as_text()
             assert (TARGET in lowered) == (rows <= bound), (rows, m.layer)
             np.testing.assert_allclose(x @ m, (seen if rows <= bound else x) @ dense,
@@ -265,3 +270,13 @@ def test_draft_vocab_reads_the_kernel_layout_head(tmp_path):
     np.testing.assert_allclose(restricted_logits(model, laid_out, hidden, vocab),
                                restricted_logits(model, params, hidden, vocab),
                                rtol=1e-5, atol=1e-5)  # [B, S, V_d]
+
+
+def test_a_stacked_layers_row_bound_is_this_hosts():
+    """Intel AVX-512 hosts hand a quantized stack's layer to XLA sooner (tuning.py)."""
+    import platform
+
+    cpuinfo = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    intel_avx512 = "avx512f" in cpuinfo.split() and "GenuineIntel" in cpuinfo
+    assert stacked_max_rows() == (INTEL_AVX512_STACKED_KERNEL_MAX_ROWS if intel_avx512
+                                  else STACKED_KERNEL_MAX_ROWS)

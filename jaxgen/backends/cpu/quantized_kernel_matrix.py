@@ -5,10 +5,10 @@
 (load(weights="gguf"): Q8_0, Q4_0, Q4_1) transposed to the kernel's layout: codes [N, Kc],
 scales and offsets [N, G], one output row after another (the GGUF file's own order of a
 row's blocks). `x @ m` (x [..., K] float32) runs the kernel for 1 to KERNEL_MAX_ROWS rows
-(STACKED_KERNEL_MAX_ROWS for a layer of a stack), reading the codes once, and otherwise XLA's
-product with the expanded float matrix (what the quantized matrices do everywhere).
-`jaxgen/backends/cpu/layer_split.for_decoding` wraps each quantized layer matrix and head this way when the
-kernel is available.
+(`quantized_rows.stacked_max_rows()` for a layer of a stack: this host's bound), reading the
+codes once, and otherwise XLA's product with the expanded float matrix (what the quantized
+matrices do everywhere). `jaxgen/backends/cpu/layer_split.for_decoding` wraps each quantized
+layer matrix and head this way when the kernel is available.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -30,8 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.backends.cpu.kernels import quantized_rows
-from jaxgen.backends.cpu.kernels.quantized_rows import expand, quantized_product
-from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS
+from jaxgen.backends.cpu.kernels.quantized_rows import (
+    expand,
+    quantized_product,
+    stacked_max_rows,
+)
+from jaxgen.backends.cpu.tuning import KERNEL_MAX_ROWS
 from jaxgen.models.gguf_blocks import BlockMatrix
 from jaxgen.models.quantize import Int8Matrix
 
@@ -84,7 +88,7 @@ class QuantizedKernelMatrix:
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
         """x [..., K] @ self -> [..., N] in x's dtype."""
         rows = math.prod(x.shape[:-1])
-        bound = KERNEL_MAX_ROWS if self.layer is None else STACKED_KERNEL_MAX_ROWS
+        bound = KERNEL_MAX_ROWS if self.layer is None else stacked_max_rows()
         if 1 <= rows <= bound and x.dtype == jnp.float32 and quantized_rows.available():
             return quantized_product(x, self.codes_nk, self.scale_nk, self.offset_nk,
                                      self.code_offset, self.layer)  # [..., N]

@@ -6,6 +6,8 @@ Example:
     True
     >>> KERNEL_MAX_ROWS >= INTEL_AVX512_KERNEL_MAX_ROWS > ROWWISE_MAX_ROWS
     True
+    >>> STACKED_KERNEL_MAX_ROWS > INTEL_AVX512_STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS
+    True
 """
 from __future__ import annotations
 
@@ -21,6 +23,12 @@ INTEL_AVX512_KERNEL_MAX_ROWS = 16
 # buffers; SmolLM2's 30 layers: 150-240 ms a pass), so the kernel runs further (30 float32
 # layers, Zen 4: 48 rows 127 vs 221 ms, 96: 209 vs 289, 192: 343 vs 369, 256: 490 vs 474).
 STACKED_KERNEL_MAX_ROWS = 192
+# ... for a layer of a quantized stack on Intel AVX-512 hosts (`quantized_rows.stacked_max_rows`),
+# where XLA's product with the expanded layer overtakes the quantized kernel sooner (SmolLM2
+# forwards of S rows with the cache carried, kernel against XLA: int8 64 rows 202 vs 211 ms,
+# 80 rows 243 vs 225; GGUF Q4_1 80 rows 244 vs 258, 96 rows 270 vs 271, 128 rows 347 vs 300;
+# at 192 rows XLA's was 1.3-1.4x faster).
+INTEL_AVX512_STACKED_KERNEL_MAX_ROWS = 80
 # Row by row (rowwise.py): up to this many rows run one matrix-vector product each (8 rows: no
 # gain).
 ROWWISE_MAX_ROWS = 4
@@ -33,6 +41,6 @@ SPLIT_MIN_BYTES = 16 << 20
 # runs 1.3x faster on [D, V].
 HEAD_BY_VOCAB_MIN_ROWS = 3
 
-__all__ = ["HEAD_BY_VOCAB_MIN_ROWS", "INTEL_AVX512_KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS",
-           "ROWWISE_MAX_ROWS",
+__all__ = ["HEAD_BY_VOCAB_MIN_ROWS", "INTEL_AVX512_KERNEL_MAX_ROWS",
+           "INTEL_AVX512_STACKED_KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS", "ROWWISE_MAX_ROWS",
            "SPLIT_MIN_BYTES", "STACKED_KERNEL_MAX_ROWS"]

@@ -37,9 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.backends.cpu.kernels.build import intel_avx512_host, quantized_target
 from jaxgen.backends.cpu.kernels.build import quantized_rounded_rows as rounded_row_limit
-from jaxgen.backends.cpu.kernels.build import quantized_target
 from jaxgen.backends.cpu.kernels.int16_rounding import int16_rounded
+from jaxgen.backends.cpu.tuning import (
+    INTEL_AVX512_STACKED_KERNEL_MAX_ROWS,
+    STACKED_KERNEL_MAX_ROWS,
+)
 
 NIBBLE_BLOCK = 32  # inputs of one 4-bit block (two codes a byte within it)
 
@@ -47,6 +51,20 @@ NIBBLE_BLOCK = 32  # inputs of one 4-bit block (two codes a byte within it)
 def available() -> bool:
     """True when the kernel is built and registered for this process (CPU only)."""
     return quantized_target() is not None
+
+
+def stacked_max_rows() -> int:
+    """The most input rows a layer of a quantized stack runs the kernel for on this host,
+    beyond which XLA's product with the expanded layer is the faster (`tuning.py`):
+    INTEL_AVX512_STACKED_KERNEL_MAX_ROWS on Intel AVX-512 hosts, STACKED_KERNEL_MAX_ROWS
+    elsewhere.
+
+    Example:
+        >>> stacked_max_rows() in (INTEL_AVX512_STACKED_KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS)
+        True
+    """
+    return (INTEL_AVX512_STACKED_KERNEL_MAX_ROWS if intel_avx512_host()
+            else STACKED_KERNEL_MAX_ROWS)
 
 
 def runs(k: int, codes_dtype, groups: int) -> bool:
