@@ -68,8 +68,8 @@ def test_eight_requests_through_three_slots_equal_solo_calls(tiny, requests_and_
     if drafting == "draft_model":
         assert counts["accepted"] >= counts["drafted"] // 2
     # each token's log-prob is handed out with it, at its own new-token number
-    plain = jaxgen.generate(params, jaxgen.init_state(model, [requests[5][0]], cfg),
-                            cfg.replace(max_new_tokens=requests[5][1]))
+    own = cfg.replace(max_new_tokens=requests[5][1])  # the state's budget is the config's
+    plain = jaxgen.generate(params, jaxgen.init_state(model, [requests[5][0]], own), own)
     np.testing.assert_allclose(handles[5].token_logprobs,
                                np.asarray(plain.token_logprobs)[0, :requests[5][1]],
                                rtol=1e-4, atol=1e-5)

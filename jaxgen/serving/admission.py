@@ -35,9 +35,11 @@ from jaxgen.cache.layout import cache_dtype
 from jaxgen.cache.row_scatter import scatter_cache_rows, take_cache_rows
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.automaton import start_carry
+from jaxgen.core.context import model_positions
 from jaxgen.core.state import (
     MIN_PROMPT_BUCKET,
     DecodeState,
+    check_fits_memory,
     init_cache_for,
     program_state,
     resolve_pad_id,
@@ -53,6 +55,24 @@ def admission_rows(count: int, slots: int) -> int:
     """The padded number of newcomers one admission prefills: the next power of two, at most
     `slots`."""
     return min(1 << max(count - 1, 0).bit_length(), slots)
+
+
+def check_slots_fit(model, cfg: GenerationConfig, slots: int, max_len: int,
+                    dtype=jnp.float32) -> None:
+    """ValueError, before anything is allocated, for a `max_len` past the model's positions
+    (jaxgen.core.context.model_positions: no bound for a model that extrapolates them), or
+    for slots x max_len whose KV cache and token buffer exceed the device's memory."""
+    positions = model_positions(model)
+    if positions is not None and max_len > positions:
+        raise ValueError(f"jaxgen.serving.Engine: `max_len`={max_len} is past the model's "
+                         f"{positions} positions (max_position_embeddings); allowed: "
+                         f"2..{positions}")
+    try:
+        check_fits_memory(model, cfg, slots, max_len, MIN_PROMPT_BUCKET, dtype)
+    except ValueError as error:  # its advice names generate's settings: the engine's here
+        need = str(error).split(": lower ")[0]
+        raise ValueError(f"jaxgen.serving.Engine: `slots`={slots} x `max_len`={max_len} do "
+                         f"not fit: {need}; lower slots or max_len") from None
 
 
 def empty_slots(model, cfg: GenerationConfig, slots: int, max_len: int,

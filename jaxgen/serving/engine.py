@@ -57,6 +57,7 @@ from jaxgen.serving.admission import (
     DEFAULT_PREFILL_WIDTH,
     PrefillChunkLoop,
     admission_rows,
+    check_slots_fit,
     empty_slots,
     host_admission,
     host_chunks,
@@ -108,7 +109,9 @@ class Engine:
     model, params: a jaxgen model and its weights; cfg: the program-wide GenerationConfig
     (with `overrides`, resolved as jaxgen.generate_ids does; see jaxgen.serving.settings for
     what a request may set itself). slots: rows decoded together. max_len: each slot's
-    buffer (prompt + new tokens). chunk_size: decode steps between host steps.
+    buffer (prompt + new tokens): 2 .. the model's max_position_embeddings, and slots x
+    max_len must fit the device's memory (ValueError before allocating otherwise).
+    chunk_size: decode steps between host steps.
     prefill_width: the most prompt positions one admission chunk prefills. max_waiting:
     the waiting queue's bound (`submit` raises QueueFull past it). layout: the programs'
     layout (jaxgen.runtime.backend.LAYOUTS). constraint: a TokenAutomaton every request
@@ -117,6 +120,8 @@ class Engine:
     Speculative decoding: prompt_lookup_num_tokens=K, use_mtp=True or assistant_model=
     (draft, draft_params) make each chunk `chunk_size` assisted rounds, every row accepting
     its own drafts (jaxgen.serving.spec_slots; greedy tokens equal a solo generate call).
+    `failure`: the exception that ended the engine's thread (None while it runs or after a
+    clean close); every request then ended "failed" and submit raises EngineClosed.
     """
 
     def __init__(self, model, params, cfg: GenerationConfig | None = None, *, slots: int = 8,
@@ -136,6 +141,7 @@ class Engine:
         self.slots, self.max_len, self.chunk_size = slots, max_len, chunk_size
         self.max_waiting, self.layout = max_waiting, layout
         self._pad = resolve_pad_id(cfg, model)
+        check_slots_fit(model, cfg, slots, max_len, cache_dtype)
         self._state = empty_slots(model, cfg, slots, max_len, cache_dtype, constraint)
         self._first: dict = {}  # slot -> (first-token StepRecord [N, 1], its row): admitted
         self._axes = slot_cache_axes(model, cfg, max_len)  # the cache leaves' batch axes
@@ -168,6 +174,7 @@ class Engine:
         self._device = threading.Lock()  # the thread's step and warm_up take turns
         self._closing = False
         self._cancel_all = False
+        self.failure: BaseException | None = None  # what ended the thread, when it failed
         self._next_id = 0
         self._thread = threading.Thread(target=self._run, name="jaxgen-serving", daemon=True)
         self._thread.start()
@@ -405,6 +412,7 @@ class Engine:
                     self._advance()
             self._end_all("closed")
         except BaseException as error:  # every request learns it; none hangs
+            self.failure = error
             self._end_all("failed", error)
         finally:
             compiled.release_programs(self._reserved)

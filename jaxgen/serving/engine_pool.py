@@ -85,6 +85,14 @@ class EnginePool:
             return engine.submit(prompt_ids, **settings)
 
     @property
+    def failure(self) -> BaseException | None:
+        """What ended an engine's thread (Engine.failure): the free-text engine's, else the
+        first failed constrained engine's; None while every engine runs."""
+        with self._lock:
+            engines = [self.main, *self._engines.values()]
+        return next((e.failure for e in engines if e.failure is not None), None)
+
+    @property
     def running(self) -> int:
         """Requests in a slot, over every engine."""
         with self._lock:

@@ -18,12 +18,22 @@ jax.random.key(s + j)). `stop` strings are matched on the decoded text as tokens
 (jaxgen.serving.detokenize); at a stop the request is cancelled and the text cut before it.
 `logprobs` / `top_logprobs` are the engine's per-token log-probs under the row's processed
 distribution (after temperature / top-p, as Hugging Face's scores; a temperature-0 row
-reports 0 for its token and -9999 for the rest). `response_format` json_schema /
-json_object runs the request on an engine of that schema (the token automaton masks every
-step). A client that disconnects has its requests cancelled (their slots free at the next
-chunk). Errors: 400 (bad body, malformed JSON too, an unknown or unsupported field, a prompt +
-max_tokens over the context), 401 (api key), 404 (another model's name), 429 (the queue is
-full), 503 (shutting down), 500 (the engine failed).
+reports 0 for its token and -9999 for the rest), one entry per token that `usage` counts (a
+special token such as EOS with its own text, which the answer's text leaves out); after a
+stop string, `usage.completion_tokens` counts up to and with the token that completed it.
+`response_format` json_schema / json_object runs the request on an engine of that schema
+(the token automaton masks every step). A client that disconnects has its requests
+cancelled (their slots free at the next chunk). Errors: 400 (bad body, malformed JSON too,
+an unknown or unsupported field, a chat role other than system / user / assistant /
+developer, a prompt + max_tokens over the context: a prompt text longer than the context's
+tokens could hold is refused before it is tokenized, jaxgen.serving.prompt_tokens), 401
+(api key), 404 (another model's name), 413 (a body over `max_body_bytes`, before it is read
+whole), 429 (the queue is full), 503 (shutting down, or an engine failed), 500 (the engine
+failed); a stream whose engine fails ends with an error event (`data: {"error": {...}}`)
+and `data: [DONE]`. Bodies are parsed and prompts tokenized on worker threads, the
+tokenizer without the GIL, so a big request does not hold up the others. `GET /health`:
+200 {"status": "ok"}, or 503 {"status": "failed", "error": ...} once an engine failed (it
+takes no request again: restart the server).
 
 Example (no request made: the routes of an app over a tiny model):
     >>> from jaxgen.models import TINY_VOCAB, tiny_llama, tiny_tokenizer
@@ -40,6 +50,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import secrets
 import threading
 
@@ -51,6 +62,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from jaxgen.api.generate import default_config
+from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.core.context import model_positions
 from jaxgen.serving.detokenize import TextAssembler
@@ -65,10 +77,13 @@ from jaxgen.serving.openai_schema import (
     read_json,
     usage,
 )
+from jaxgen.serving.prompt_tokens import chars_per_token, encode
+from jaxgen.serving.request_body import DEFAULT_MAX_BODY_BYTES, read_body
 from jaxgen.serving.requests import EngineClosed, EngineError, QueueFull
 
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_length": "length"}
 DEFAULT_MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
+_LOG = logging.getLogger(__name__)
 
 
 def server_config(model, tokenizer, max_top_logprobs: int) -> GenerationConfig:
@@ -87,11 +102,13 @@ class _Server:
     """The app's state: the engines, the tokenizer, the limits."""
 
     def __init__(self, pool: EnginePool, tokenizer, model_name: str, api_key, max_len: int,
-                 max_top_logprobs: int):
+                 max_top_logprobs: int, max_body_bytes: int):
         self.pool, self.tokenizer, self.model_name = pool, tokenizer, model_name
         self.api_key, self.max_top_logprobs = api_key, max_top_logprobs
+        self.max_body_bytes = max_body_bytes
         positions = model_positions(pool.model)
         self.context = max_len if positions is None else min(max_len, positions)
+        self.chars_per_token = chars_per_token(tokenizer)  # None: prompts are only counted
         self.closing = False
         eos = pool.cfg.eos_token_id
         self.special = set(tokenizer.all_special_ids) | set(
@@ -108,20 +125,47 @@ class _Server:
                                 "<key>` with the server's --api-key", code="invalid_api_key")
 
     def check_open(self) -> None:
+        failure = self.pool.failure
+        if failure is not None:
+            raise ApiError(503, f"the engine failed ({failure!r}): this server takes no new "
+                                f"requests; restart it", code="engine_failed")
         if self.closing or self.pool.closed:
             raise ApiError(503, "the server is shutting down: it takes no new requests",
                            code="shutting_down")
 
+    def parse(self, kind: str, raw: bytes):
+        """The checked request of a body (on a worker thread: a big body parses there)."""
+        return parse_request(kind, read_json(raw), self.max_top_logprobs)
+
+    def check_chars(self, parsed, text: str) -> None:
+        """400 context_length_exceeded, before tokenizing, for a prompt text longer than the
+        tokens left for it could hold (jaxgen.serving.prompt_tokens)."""
+        if self.chars_per_token is None:
+            return
+        wanted = parsed.max_tokens if parsed.max_tokens is not None else 1
+        room = max(self.context - wanted, 0)
+        if len(text) > room * self.chars_per_token:
+            where = "messages" if parsed.kind == "chat" else "prompt"
+            raise ApiError(400, f"This model's maximum context length is {self.context} tokens. "
+                                f"However, the {where} has {len(text)} characters, more than "
+                                f"the {room} tokens left beside {wanted} in the completion can "
+                                f"hold (at most {self.chars_per_token} characters a token). "
+                                f"Please reduce the length of the {where} or the completion.",
+                           param=where, code="context_length_exceeded")
+
     def prompt_ids(self, parsed, prompt) -> list:
         if parsed.kind == "chat":
             try:
-                return list(self.tokenizer.apply_chat_template(prompt,
-                                                               add_generation_prompt=True))
+                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                          tokenize=False)
             except ValueError as error:
                 raise ApiError(400, f"`messages`: the chat template failed: {error}",
                                param="messages", code="invalid_value") from None
+            self.check_chars(parsed, text)
+            return encode(self.tokenizer, text, add_special_tokens=False)
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            self.check_chars(parsed, prompt)
+            ids = encode(self.tokenizer, prompt)
             if not ids:
                 raise ApiError(400, "`prompt`: encodes to no tokens", param="prompt",
                                code="invalid_value")
@@ -173,6 +217,7 @@ class _Server:
                     except (QueueFull, PoolBusy) as error:
                         raise ApiError(429, str(error), code="queue_full") from None
                     except EngineClosed as error:
+                        self.check_open()  # the engine failed: say so
                         raise ApiError(503, str(error), code="shutting_down") from None
                     except ValueError as error:
                         param = "response_format" if "json_schema" in str(error) else None
@@ -187,7 +232,9 @@ class _Server:
 
     # ----------------------------------------------------------------- one choice
     def logprob_entry(self, parsed, handle, i: int, token: int, offset: int):
-        if not parsed.logprobs or token in self.special or i >= len(handle.token_logprobs):
+        """Token i's log-prob entry: every counted token has one (a special token with its
+        own text, such as "</s>", though the answer's text leaves it out)."""
+        if not parsed.logprobs or i >= len(handle.token_logprobs):
             return None
         text = self.tokenizer.decode([token])
         value = floor_logprob(handle.token_logprobs[i])
@@ -200,7 +247,8 @@ class _Server:
         return {"token": text, "logprob": value, "top": dict(tops), "offset": offset}
 
     async def run_choice(self, parsed, handle, index: int, emit):
-        """Streams one choice: emit(index, text, logprob entries, finish_reason or None)."""
+        """Streams one choice: emit(index, text, logprob entries, finish_reason or None); the
+        tokens of its answer: up to and with the one that completed a stop string."""
         text = TextAssembler(self.tokenizer, parsed.stop)
         count = 0
         async for token in _tokens(handle):
@@ -220,7 +268,7 @@ class _Server:
         else:
             reason = "abort"  # the server closed it (shutdown)
         await emit(index, text.finish(), [], reason)
-        return len(completion.new_ids)
+        return count
 
 
 async def _tokens(handle):
@@ -315,9 +363,20 @@ def _stream(server: _Server, parsed, handles) -> StreamingResponse:
     async def emit(index, piece, entries, reason):
         await queue.put((index, piece, entries, reason))
 
+    async def run(index: int, handle):
+        """One choice; a failure is queued as the stream's error (it never waits forever)."""
+        try:
+            return await server.run_choice(parsed, handle, index, emit)
+        except EngineError as error:
+            await queue.put(ApiError(500, f"the engine failed: {error}", code="engine_error"))
+        except Exception as error:  # a bug: the client learns it, the log keeps it
+            _LOG.exception("choice %d of a streamed request failed", index)
+            await queue.put(ApiError(500, f"the server failed: {error!r}",
+                                     code="server_error"))
+        return 0
+
     async def events():
-        tasks = [asyncio.ensure_future(server.run_choice(parsed, handle, i, emit))
-                 for i, (_, handle) in enumerate(handles)]
+        tasks = [asyncio.ensure_future(run(i, handle)) for i, (_, handle) in enumerate(handles)]
         try:
             if parsed.kind == "chat":
                 yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -325,14 +384,19 @@ def _stream(server: _Server, parsed, handles) -> StreamingResponse:
                              for i in range(len(handles))])
             ended = 0
             while ended < len(handles):
-                index, piece, entries, reason = await queue.get()
+                item = await queue.get()
+                if isinstance(item, ApiError):  # OpenAI's error event, then the end
+                    yield f"data: {json.dumps(item.body())}\n\n"
+                    break
+                index, piece, entries, reason = item
                 ended += reason is not None
                 yield event([_choice_object(parsed, index, piece, entries, reason, True)])
-            counts = [task.result() for task in tasks]
-            if parsed.include_usage:
-                prompt_tokens = sum(len(handles[i][0])
-                                    for i in range(0, len(handles), parsed.n))
-                yield event([], usage(prompt_tokens, sum(counts)))
+            else:
+                counts = [task.result() for task in tasks]
+                if parsed.include_usage:
+                    prompt_tokens = sum(len(handles[i][0])
+                                        for i in range(0, len(handles), parsed.n))
+                    yield event([], usage(prompt_tokens, sum(counts)))
             yield "data: [DONE]\n\n"
         finally:  # finished, failed or the client left: free every slot
             for _, handle in handles:
@@ -350,8 +414,8 @@ def _endpoint(kind: str):
         try:
             server.authorize(request)
             server.check_open()
-            parsed = parse_request(kind, read_json(await request.body()),
-                                   server.max_top_logprobs)
+            raw = await read_body(request, server.max_body_bytes)
+            parsed = await anyio.to_thread.run_sync(server.parse, kind, raw)
             if parsed.model not in (None, server.model_name):
                 raise ApiError(404, f"The model `{parsed.model}` does not exist: this server "
                                     f"serves `{server.model_name}`", param="model",
@@ -377,7 +441,14 @@ async def _models(request: Request):
 
 
 async def _health(request: Request):
-    return JSONResponse({"status": "closing" if request.app.state.server.closing else "ok"})
+    """200 while the server takes requests; 503 once an engine failed (it never will again:
+    a supervisor should restart the server)."""
+    server: _Server = request.app.state.server
+    failure = server.pool.failure
+    if failure is not None:
+        return JSONResponse({"status": "failed", "error": f"the engine failed: {failure!r}"},
+                            status_code=503)
+    return JSONResponse({"status": "closing" if server.closing else "ok"})
 
 
 def build_app(model, params, tokenizer, *, model_name: str, api_key: str | None = None,
@@ -385,19 +456,22 @@ def build_app(model, params, tokenizer, *, model_name: str, api_key: str | None 
               max_waiting: int = 256, constrained_engines: int = 2,
               constrained_slots: int | None = None,
               max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS, layout: str = "auto",
-              shutdown_timeout: float = 30.0, warm_up_lengths=()) -> Starlette:
+              shutdown_timeout: float = 30.0, warm_up_lengths=(),
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """The ASGI app. Its engines start now (app.state.pool); the lifespan's shutdown stops
     admitting (503) and closes them, cancelling what still runs (shutdown_timeout: seconds
     to wait for their threads). warm_up_lengths: prompt lengths whose programs compile
-    before the server takes requests."""
+    before the server takes requests. max_body_bytes: a larger request body gets 413."""
     if tokenizer is None:
         raise ValueError("the server needs the model's tokenizer (text in, text out)")
+    check_int("max_body_bytes", max_body_bytes, low=1)
     cfg = server_config(model, tokenizer, max_top_logprobs)
     pool = EnginePool(model, params, tokenizer, cfg, slots=slots, max_len=max_len,
                       chunk_size=chunk_size, max_waiting=max_waiting, layout=layout,
                       constrained_engines=constrained_engines,
                       constrained_slots=constrained_slots)
-    server = _Server(pool, tokenizer, model_name, api_key, max_len, max_top_logprobs)
+    server = _Server(pool, tokenizer, model_name, api_key, max_len, max_top_logprobs,
+                     max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

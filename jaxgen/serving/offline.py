@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from jaxgen.api.generate import default_config
 from jaxgen.config.generation import GenerationConfig
+from jaxgen.core.context import model_positions
 from jaxgen.core.state import new_token_bucket, prompt_bucket
 from jaxgen.serving.engine import Engine
 
@@ -29,7 +30,8 @@ def generate_batch(model, params, prompts, cfg: GenerationConfig | None = None, 
     """Prompt + generated ids per prompt, in order. prompts: lists of token ids. keys:
     None, or one PRNG key per prompt (a sampled row equals its solo generate_ids call with
     that key). max_len: each slot's buffer (default: the longest prompt's bucket + the
-    budget's bucket). timeout: seconds to wait for each result (None: no limit)."""
+    budget's bucket, at most the model's positions). timeout: seconds to wait for each
+    result (None: no limit)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("generate_batch: `prompts` must be a non-empty list of token-id lists")
     if keys is not None and len(keys) != len(prompts):
@@ -40,6 +42,8 @@ def generate_batch(model, params, prompts, cfg: GenerationConfig | None = None, 
         longest = max(len(p) for p in prompts)
         budget = cfg.max_new_tokens or max(int(cfg.max_length) - 1, 1)
         max_len = prompt_bucket(longest) + new_token_bucket(int(budget))
+        positions = model_positions(model)  # the buckets' padding never passes them
+        max_len = max_len if positions is None else max(min(max_len, positions), 2)
     engine = Engine(model, params, cfg, slots=slots, max_len=max_len, chunk_size=chunk_size,
                     max_waiting=len(prompts), layout=layout)
     try:

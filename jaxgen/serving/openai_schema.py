@@ -29,6 +29,12 @@ import uuid
 
 MAX_STOP_STRINGS = 4  # OpenAI's bound
 MAX_N = 128
+# Chat roles the chat template is given; "developer" (OpenAI's newer name for the system
+# message) is given as "system", which chat templates know. Tool and function messages need
+# tool calls, which this server does not implement.
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+ROLE_ALIASES = {"developer": "system"}
+TOOL_ROLES = ("tool", "function")
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (a token the sampler could not pick)
 
 # Fields each endpoint reads (and checks); any other field is refused by name.
@@ -60,8 +66,8 @@ class ApiError(Exception):
     """An HTTP error with OpenAI's error object: {"error": {message, type, param, code}}."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-             404: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-             503: "server_error"}
+             404: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None):
@@ -187,6 +193,13 @@ def _messages(body: dict) -> list:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad(where, "must be an object with a string `role`", "invalid_type")
+        role = message["role"]
+        if role in TOOL_ROLES:
+            raise _bad(f"{where}.role", f"{role!r} messages need tool calling, which is not "
+                                        f"implemented (allowed roles: {list(CHAT_ROLES)})",
+                       "unsupported_parameter")
+        if role not in CHAT_ROLES:
+            raise _bad(f"{where}.role", f"must be one of {list(CHAT_ROLES)}, got {role!r}")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
             texts = []
@@ -201,7 +214,7 @@ def _messages(body: dict) -> list:
         if not isinstance(content, str):
             raise _bad(f"{where}.content", f"must be a string, got {content!r}",
                        "invalid_type")
-        checked.append({"role": message["role"], "content": content})
+        checked.append({"role": ROLE_ALIASES.get(role, role), "content": content})
     return checked
 
 
@@ -322,5 +335,5 @@ def now() -> int:
     return int(time.time())
 
 
-__all__ = ["ApiError", "LOGPROB_FLOOR", "ParsedRequest", "envelope", "floor_logprob",
-           "new_id", "now", "parse_request", "read_json", "usage"]
+__all__ = ["ApiError", "CHAT_ROLES", "LOGPROB_FLOOR", "ParsedRequest", "envelope",
+           "floor_logprob", "new_id", "now", "parse_request", "read_json", "usage"]
