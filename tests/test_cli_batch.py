@@ -113,6 +113,16 @@ def one_error_line(err: str) -> str:
     ({"id": 1.5, "prompt": "hi"}, "p.jsonl:7: 'id' must be a string or an integer, got a number"),
     ({"id": "a", "prompt": "dup"}, "p.jsonl:7: duplicate id \"a\" (first on line 1)"),
     ("{not json", "p.jsonl:7: not valid JSON"),
+    ({"prompt": "hi", "input_line": 7}, "p.jsonl:7: field 'input_line' is reserved"),
+    ({"prompt": "hi", "completion": "mine"}, "p.jsonl:7: field 'completion' is reserved"),
+    ({"prompt": "hi", "new_tokens": 1}, "p.jsonl:7: field 'new_tokens' is reserved"),
+    ({"prompt": "hi", "stop_reason": "x"}, "p.jsonl:7: field 'stop_reason' is reserved"),
+    ('{"prompt": "hi", "prompt": "ho"}', "p.jsonl:7: the key 'prompt' appears twice"),
+    ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}',
+     "p.jsonl:7: the key 'content' appears twice"),
+    ('{"prompt": "hi", "score": NaN}', "p.jsonl:7: 'score' is NaN, which is not standard JSON"),
+    ('{"prompt": "hi", "w": [1, -Infinity]}', "p.jsonl:7: 'w' item 2 is -Infinity"),
+    ('{"prompt": "hi", "x": {"y": 1e999}}', "p.jsonl:7: 'x' 'y' is 1e999"),
 ])
 def test_every_record_is_checked_before_the_model_loads(tmp_path, capsys, bad, message):
     good = [{"id": "a", "prompt": "fine"}] + [{"prompt": f"ok {i}"} for i in range(5)]

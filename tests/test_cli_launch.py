@@ -46,3 +46,12 @@ def test_importing_jaxgen_loads_no_jax():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             timeout=120, check=True)
     assert result.stdout.split() == ["False", "True"]
+
+
+def test_python_dash_m_jaxgen_runs_the_command():
+    """`python -m jaxgen` is the `jaxgen` console script (jaxgen/__main__.py)."""
+    result = subprocess.run([sys.executable, "-m", "jaxgen", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: jaxgen "), result.stdout[:200]
+    assert "--input" in result.stdout and "--max-new-tokens" in result.stdout

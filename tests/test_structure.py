@@ -1,7 +1,9 @@
 """The house's structure, as rules per package (docs/DESIGN.md, "The house"):
 
 1. Floors. Every top-level package of jaxgen sits on a floor (FLOORS); a module imports
-   modules of its own package or of a lower floor, never of its floor or above.
+   modules of its own package or of a lower floor, never of its floor or above. The one
+   top-level module beside the facade is `jaxgen/__main__.py` (`python -m jaxgen`), on the
+   top floor: it runs the jaxgen command.
 2. No import circle, at any level: inside every package, the rooms (its modules and its
    sub-packages, a folder counting as one room) import each other without a circle.
 3. One seam. `jaxgen.backends` is imported only by `jaxgen.runtime.backend` (and by itself).
@@ -44,7 +46,9 @@ FLOORS = {
     #                           reaches it by name, lazily, so beside it is below the cli)
     "jaxgen.cli": 10,         # the jaxgen command
     "jaxgen.train": 10,       # training recipes for drafters
+    "jaxgen.__main__": 11,    # `python -m jaxgen`: runs the jaxgen command (a module)
 }
+ENTRY_MODULES = ("__init__.py", "__main__.py")  # a package's facade and its `python -m`
 SEAM = "jaxgen.runtime.backend"
 
 
@@ -105,7 +109,7 @@ def top_package(module: str) -> str:
 
 def test_every_top_level_room_is_a_package_on_a_floor():
     for path in PACKAGE.iterdir():
-        if path.suffix == ".py" and path.name != "__init__.py":
+        if path.suffix == ".py" and path.name not in ENTRY_MODULES:
             raise AssertionError(f"jaxgen/{path.name}: a module at the top level; put it in "
                                  f"the package of its concern")
         if path.is_dir() and (path / "__init__.py").exists():
@@ -211,7 +215,7 @@ def test_file_names_say_one_thing():
     seen: dict[str, str] = {}
     for name in modules():
         leaf = name.rsplit(".", 1)[-1]
-        if name == "jaxgen" or pathlib.Path(modules()[name]).name == "__init__.py":
+        if name == "jaxgen" or pathlib.Path(modules()[name]).name in ENTRY_MODULES:
             continue
         assert leaf not in seen, f"{name} and {seen[leaf]} share a file name"
         seen[leaf] = name

@@ -29,10 +29,12 @@ from jaxgen.config.generation import (
     transformers_fields,
 )
 from jaxgen.constraints.compile import resolve_constraint
+from jaxgen.core.budgets import check_same_budget
 from jaxgen.core.output import GenerateOutput, outputs_to_lists
 from jaxgen.core.context import check_context, model_positions
 from jaxgen.core.state import DecodeState, check_state_shapes, init_state
 from jaxgen.drivers.chunked import end_streamers
+from jaxgen.drivers.host_arguments import check_host_arguments
 from jaxgen.loops.decode import DecodeLoop
 from jaxgen.loops.guidance_inputs import guidance_buffer_len
 from jaxgen.runtime.compiled import trace_count
@@ -54,6 +56,7 @@ def check_inputs(params, state: DecodeState, cfg: GenerationConfig) -> None:
             raise ValueError(CONSUMED)
     check_state_shapes(state)
     check_state_context(state)
+    check_same_budget(state, cfg)
     cfg.validate_for_model(state.model.vocab_size)
     copies = cfg.sample_copies
     if state.batch % copies:
@@ -229,6 +232,7 @@ def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *,
     its last tokens, as transformers' pipelines truncate); see init_state.
     """
     try:
+        check_host_arguments(streamer, stop_event)
         cfg = resolve_config(model, cfg, generation_config, **overrides)
         constraint = resolve_constraint(model, tokenizer, regex=regex, json_schema=json_schema,
                                         choices=choices, constraint=constraint,

@@ -58,6 +58,7 @@ from jaxgen.core.output import GenerateOutput, trim_output
 from jaxgen.core.state import DecodeState, caller_state, program_state
 from jaxgen.drivers.chunked import DEFAULT_CHUNK, ChunkTimings, run_chunked
 from jaxgen.drivers.growing import grow_before_chunks, growing_chunk_size
+from jaxgen.drivers.host_arguments import check_host_arguments
 from jaxgen.drivers.host_hooks import adopt_transformers_hooks, check_host_loop
 from jaxgen.drivers.prefix_hook import prefix_fn_hook
 from jaxgen.stopping.strings import program_tables
@@ -271,6 +272,7 @@ def make_plan(state: DecodeState, cfg: GenerationConfig, *, logits_processor=(),
               prefix_allowed_tokens_fn=None, layout="auto") -> Plan:
     """The plan for one call (see the module docs). Raises ValueError for any combination
     that cannot run, before anything compiles."""
+    check_host_arguments(streamer, stop_event)
     layout = check_layout(layout)
     logits_processor, stopping_criteria = adopt_transformers_hooks(  # HF's objects: host calls
         logits_processor, stopping_criteria, pad_token_id=state.pad_token_id,
@@ -344,14 +346,15 @@ def program_inputs(plan: Plan, state: DecodeState, cfg: GenerationConfig
     """(state, config) as the compiled programs take them: the config's dynamic leaves as
     float32 / int32 arrays repeated to the state's rows, in program form
     (jaxgen.config.program: budgets, stop strings and max_time out of the key, EOS ids a
-    dynamic table), the stop-string tables without their strings, and no visible_len. A
+    dynamic table), the stop-string tables without their strings, and no visible_len or
+    budget_source (jaxgen.core.budgets: checked by generate, not a program's key). A
     custom_generate loop gets the config as the caller wrote it (its code may read any
     field)."""
     jit_cfg = canonical_config(cfg.replace(max_time=None) if cfg.max_time is not None else cfg)
     copies = cfg.sample_copies  # per-prompt values -> the init_state's expanded rows
     jit_cfg = jit_cfg.repeat_rows(state.batch // copies, copies)
     if isinstance(plan.loop, CustomLoop):
-        return state.replace(visible_len=None), jit_cfg
+        return state.replace(visible_len=None, budget_source=None), jit_cfg
     return (program_state(state, program_tables(state.stop_tables)), program_config(jit_cfg))
 
 

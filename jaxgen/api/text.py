@@ -26,6 +26,7 @@ from jaxgen.api.generate import generate, outputs_to_lists, resolve_config
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.compile import resolve_constraint
 from jaxgen.core.state import init_state
+from jaxgen.drivers.host_arguments import check_host_arguments
 from jaxgen.loops.guidance_inputs import guidance_buffer_len
 
 
@@ -132,6 +133,7 @@ def generate_text(model, params, tokenizer, prompts: str | Sequence[str],
     for a row, rather than returning its garbage text.
     """
     try:
+        check_host_arguments(streamer, stop_event)
         cfg = resolve_config(model, cfg, generation_config, **overrides)
         rows = encode_prompts(tokenizer, prompts, chat=chat)
         negative = (None if negative_prompt is None else

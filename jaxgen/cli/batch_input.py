@@ -2,8 +2,9 @@
 
 The file is read line by line, each line at most `max_record_bytes` long (a longer, or an
 endless, line stops the read at once with its `file:line`, never a MemoryError). The first
-pass (`scan_input`) checks every record (UTF-8, JSON, fields and types, Unicode text: a lone
-surrogate such as "\\ud800" is refused, duplicate ids) and keeps per record only its line, an
+pass (`scan_input`) checks every record (UTF-8, standard JSON: no key twice, no NaN /
+Infinity; fields and types, the result's own fields (RESULT_FIELDS) reserved; Unicode text: a
+lone surrogate such as "\\ud800" is refused; duplicate ids) and keeps per record only its line, an
 8-byte digest of its key and an 8-byte digest of its content (`InputIndex`). Later passes
 (`iter_records`) read the file again and check each record against its digest, so an input
 edited during a run is an error, not a silent mix.
@@ -45,6 +46,11 @@ from jaxgen.cli.errors import EXIT_INPUT, CliError
 DEFAULT_MAX_RECORD_BYTES = 16 * 2**20
 MAX_PROBLEMS_NAMED = 5  # an error names the first bad record and the lines of a few more
 DIGEST_BYTES = 8
+
+
+# The fields every result line gets (jaxgen.cli.batch's `_result`): an input record holding
+# one would lose its value, so it is refused.
+RESULT_FIELDS = ("input_line", "completion", "new_tokens", "stop_reason")
 
 
 def _json_type(value) -> str:
@@ -108,6 +114,8 @@ def check_record(value) -> tuple[dict | None, str | None]:
     ({'prompt': 'hi'}, None)
     >>> check_record({"prompt": 3})
     (None, "'prompt' must be a string, got a number")
+    >>> check_record({"prompt": "hi", "completion": "mine"})[1]  # doctest: +ELLIPSIS
+    "field 'completion' is reserved: the result line writes input_line, completion, ..."
     """
     if isinstance(value, str):
         value = {"prompt": value}
@@ -132,6 +140,10 @@ def check_record(value) -> tuple[dict | None, str | None]:
         ident = value["id"]
         if isinstance(ident, bool) or not isinstance(ident, (str, int)):
             return None, f"'id' must be a string or an integer, got {_json_type(ident)}"
+    reserved = [field for field in RESULT_FIELDS if field in value]
+    if reserved:
+        return None, (f"field {reserved[0]!r} is reserved: the result line writes "
+                      f"{', '.join(RESULT_FIELDS)}; rename it in the input")
     return value, None
 
 
@@ -256,6 +268,75 @@ class Problems:
         raise_problems(path, self.first, self.count, code)
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object naming one key twice (json.loads would keep the last silently)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _NonFinite:
+    """Where json.loads met NaN, Infinity or a number past float's range (e.g. 1e999)."""
+
+    text: str
+
+
+def _unique_object(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: the object, or _DuplicateKey naming the repeated key."""
+    value = {}
+    for key, item in pairs:
+        if key in value:
+            raise _DuplicateKey(key)
+        value[key] = item
+    return value
+
+
+def _finite_float(text: str):
+    number = float(text)
+    return number if np.isfinite(number) else _NonFinite(text)
+
+
+def _non_finite_in(value, where: str) -> tuple[str, str] | None:
+    """(where, the number as written) of the first non-finite number in a parsed record."""
+    if isinstance(value, _NonFinite):
+        return where, value.text
+    if isinstance(value, dict):
+        labelled = ((repr(name), item) for name, item in value.items())
+    elif isinstance(value, list):
+        labelled = ((f"item {number}", item) for number, item in enumerate(value, 1))
+    else:
+        return None
+    for label, item in labelled:
+        found = _non_finite_in(item, f"{where} {label}".strip())
+        if found:
+            return found
+    return None
+
+
+def load_record(text: str):
+    """json.loads for one input line, strict where JSON is: a duplicate key raises
+    ValueError naming it, and NaN / Infinity (or 1e999) raise ValueError naming the field,
+    since the result line could not hold them as standard JSON.
+
+    >>> load_record('{"prompt": "hi", "prompt": "ho"}')
+    Traceback (most recent call last):
+    ValueError: the key 'prompt' appears twice in one object; keep one
+    >>> load_record('{"prompt": "hi", "w": [1, NaN]}')
+    Traceback (most recent call last):
+    ValueError: 'w' item 2 is NaN, which is not standard JSON; write a finite number (or a string)
+    """
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_object, parse_constant=_NonFinite,
+                           parse_float=_finite_float)
+    except _DuplicateKey as error:
+        raise ValueError(f"the key {error.args[0]!r} appears twice in one object; "
+                         f"keep one") from None
+    found = _non_finite_in(value, "")
+    if found:
+        where, written = found
+        raise ValueError(f"{where or 'the record'} is {written}, which is not standard JSON; "
+                         f"write a finite number (or a string)")
+    return value
+
+
 def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
     """(record object, None), (None, what is wrong) or (None, None) for a blank line."""
     try:
@@ -265,11 +346,13 @@ def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
     if not text.strip():
         return None, None
     try:
-        value = json.loads(text)
+        value = load_record(text)
     except json.JSONDecodeError as error:
         return None, f"not valid JSON ({error.msg})"
     except RecursionError:
         return None, "not valid JSON (nested too deeply)"
+    except ValueError as error:
+        return None, str(error)
     return check_record(value)
 
 
@@ -409,6 +492,6 @@ def _changed(path: str, line: int):
                    f"--resume once the file stays put)", EXIT_INPUT)
 
 
-__all__ = ["DEFAULT_MAX_RECORD_BYTES", "InputFile", "InputIndex", "Problems", "Record",
-           "check_record", "describe_key", "iter_records", "key_digest", "raise_problems",
-           "record_digest", "scan_input"]
+__all__ = ["DEFAULT_MAX_RECORD_BYTES", "RESULT_FIELDS", "InputFile", "InputIndex", "Problems",
+           "Record", "check_record", "describe_key", "iter_records", "key_digest", "load_record",
+           "raise_problems", "record_digest", "scan_input"]

@@ -10,6 +10,7 @@
     key         PRNG key [B]   one key per row; the step key is fold_in(row_key, position)
     stop_tables                the stop-string tables (cfg.stop_strings), or None
     spec                       the assisted loop's carry in a final state, or None
+    budget_source              the config field that set max_new, e.g. ("max_new_tokens", 5)
 
 The model and the prompt bucket are static (aux data), so `jaxgen.generate(params, state,
 cfg)` needs nothing else.
@@ -48,6 +49,7 @@ from jaxgen.cache.sharding import (
 from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.constraints.automaton import ConstraintCarry, TokenAutomaton, start_carry
+from jaxgen.core.budgets import budget_source
 from jaxgen.core.cached_prefix import check_prefix, fit_cache
 from jaxgen.core.context import TRUNCATIONS, check_context, model_positions, truncate_left
 from jaxgen.stopping.strings import StopStringTables
@@ -86,6 +88,11 @@ class DecodeState:
     # bucket (cached = 0), today's prefill.
     cached: Optional[jax.Array] = None  # int32 [B]
     prefill_width: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
+    # The config field that set `max_new` at init_state and its value, e.g. ("max_new_tokens",
+    # 5) (jaxgen.core.budgets): generate refuses a config with another budget. None: a state
+    # built by hand, or a program's state (one program serves every budget).
+    budget_source: Optional[tuple] = dataclasses.field(default=None,
+                                                       metadata=dict(static=True))
 
     @property
     def pad(self):
@@ -116,7 +123,7 @@ def program_state(state: DecodeState, tables=None) -> DecodeState:
         traced = isinstance(state.tokens, jax.core.Tracer)
         pad_array = jnp.int32(pad) if traced else jax.device_put(np.int32(pad))  # []
         state = state.replace(pad_array=pad_array, pad_token_id=PAD_IN_ARRAY)
-    return state.replace(visible_len=None, stop_tables=tables)
+    return state.replace(visible_len=None, budget_source=None, stop_tables=tables)
 
 
 def check_state_shapes(state: DecodeState) -> None:
@@ -142,15 +149,17 @@ def check_state_shapes(state: DecodeState) -> None:
 
 
 def caller_state(final: DecodeState | None, given: DecodeState) -> DecodeState | None:
-    """A program's final state as the caller's: the static pad id, the stop strings and the
-    visible_len of the state they passed (`given`); the arrays are the program's."""
+    """A program's final state as the caller's: the static pad id, the stop strings, the
+    visible_len and the budget source of the state they passed (`given`); the arrays are the
+    program's."""
     if final is None or final.pad_array is None:
         return final
     tables = final.stop_tables
     if tables is not None and given.stop_tables is not None:
         tables = dataclasses.replace(tables, strings=given.stop_tables.strings)
     return final.replace(pad_token_id=given.pad_token_id, pad_array=None,
-                         visible_len=given.visible_len, stop_tables=tables)
+                         visible_len=given.visible_len, budget_source=given.budget_source,
+                         stop_tables=tables)
 
 
 def prompt_bucket(length: int) -> int:
@@ -574,7 +583,8 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
     check_constraint(constraint, vocab_size)
     if mesh is not None:
         placed = _placed_state(model, cfg, mesh, process_local, key, cache_dtype, tokens,
-                               prompt_lens, budgets, bucket, pad_id, stop_tables)
+                               prompt_lens, budgets, bucket, pad_id, stop_tables
+                               ).replace(budget_source=budget_source(cfg))
         return placed if constraint is None else placed.replace(
             constraint=placed_carry(constraint, placed.batch, mesh))
     # host arrays go over with device_put: jnp.asarray / jnp.zeros would each compile (or
@@ -599,6 +609,7 @@ def init_state(model, prompts, cfg: GenerationConfig | None = None, key=None, *,
         visible_len=visible_len,
         cached=None if prefix is None else jax.device_put(cached),
         prefill_width=width,
+        budget_source=budget_source(cfg),
     )
 
 

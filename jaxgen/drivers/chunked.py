@@ -37,6 +37,7 @@ from jaxgen.config.fields import check_int
 from jaxgen.config.generation import GenerationConfig
 from jaxgen.core.output import GenerateOutput
 from jaxgen.core.state import DecodeState
+from jaxgen.drivers.host_arguments import as_streamers
 from jaxgen.runtime import compiled
 
 DEFAULT_CHUNK = 8
@@ -52,21 +53,6 @@ class ChunkTimings:
     steps: int = 0
     chunk_s: list = dataclasses.field(default_factory=list)  # wall time of each decode chunk
     host_s: float = 0.0  # host work between compiled calls (jaxgen.drivers.uad: tokenizers)
-
-
-def as_streamers(streamer, batch: int) -> list | None:
-    """None, one streamer (batch 1 only, as HF) or one per row -> a list of B streamers."""
-    if streamer is None:
-        return None
-    if isinstance(streamer, (list, tuple)):
-        if len(streamer) != batch:
-            raise ValueError(f"`streamer`: got {len(streamer)} streamers for {batch} rows; pass "
-                             f"one per row")
-        return list(streamer)
-    if batch != 1:
-        raise ValueError(f"`streamer`: one streamer cannot take a batch of {batch} rows; pass a "
-                         f"list with one streamer per row")
-    return [streamer]
 
 
 def end_streamers(streamer, error: BaseException | None = None) -> None:
