@@ -200,6 +200,12 @@ GGUF_CASES = [  # metadata override -> the error it gives
                                            r"range"),
     ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0},
      r"llama\.rope\.scaling\.factor=0\.0 is out of range; allowed: a finite float in \[1, "),
+    ({"llama.attention.key_length": 8}, r"llama\.rope\.dimension_count=4 differs from "
+                                        r"llama\.attention\.key_length=8; allowed: equal values"),
+    ({"llama.attention.key_length": 4, "llama.attention.value_length": 8},
+     r"llama\.attention\.value_length=8 differs from llama\.attention\.key_length=4"),
+    ({"llama.attention.key_length": 10**6}, r"llama\.attention\.key_length=1000000 is out of "
+                                            r"range"),
 ]
 
 
@@ -213,6 +219,18 @@ def test_bad_gguf_metadata_fails_before_any_tensor_is_read(tmp_path, small_param
         load_gguf_checkpoint(path)
     assert "m.gguf" in str(error.value)
     assert dequantized == [], "tensors were read before the metadata was refused"
+
+
+def test_gguf_key_length_is_the_head_size(tmp_path):
+    """llama.cpp writes attention.key_length when the head size is not hidden / heads."""
+    model = small_model(head_dim=8)  # hidden 16 / 4 heads would give 4
+    params = model.init_params(jax.random.key(3))
+    path = write_gguf(str(tmp_path / "m.gguf"), model, params,
+                      metadata={"llama.rope.dimension_count": None,
+                                "llama.attention.key_length": 8,
+                                "llama.attention.value_length": 8})
+    loaded_model, _ = load_gguf_checkpoint(path)
+    assert loaded_model.config.head_dim == 8
 
 
 # ----------------------------------------------------------------------------- MTP drafter

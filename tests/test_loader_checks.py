@@ -188,12 +188,16 @@ def _permute(w, n_head):  # llama.cpp's q/k row permutation (inverse of unpermut
         .swapaxes(1, 2).reshape(w.shape)
 
 
+_CAST_TYPES = {"F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32}
+
+
 def write_gguf(path, model, params, *, block_count=None, extra=(), poison=None, quant=None,
                metadata=None):
     """A float32 llama GGUF of `model` (tied when the config is). quant: {tensor name:
-    gguf.GGMLQuantizationType} for tensors to store quantized (the rest stay F32).
-    metadata: {"llama.<key>": value} replacing the config's (None drops the key; a str is
-    stored as a string, a float as float32, a negative int as int32, another int as uint32)."""
+    gguf.GGMLQuantizationType} for tensors to store quantized or, for F64 / I8 / I16 / I32,
+    cast (the rest stay F32). metadata: {key: value} replacing the config's (None drops the
+    key; a str is stored as a string, a bool as a bool, a float as float32, a negative int as
+    int32, another int as uint32, a list as an array)."""
     import gguf
     from gguf import GGUFWriter
 
@@ -214,6 +218,10 @@ def write_gguf(path, model, params, *, block_count=None, extra=(), poison=None, 
             continue
         if isinstance(value, str):
             writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
         elif value < 0:
@@ -250,6 +258,8 @@ def write_gguf(path, model, params, *, block_count=None, extra=(), poison=None, 
         kind = (quant or {}).get(name)
         if kind is None:
             writer.add_tensor(name, array)
+        elif kind.name in _CAST_TYPES:  # the writer takes these types from the numpy dtype
+            writer.add_tensor(name, array.astype(_CAST_TYPES[kind.name]))
         else:
             writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
     writer.write_header_to_file()
@@ -282,6 +292,55 @@ def test_gguf_round_trip_and_strictness(tmp_path):
     with pytest.raises(ValueError, match=r"nan\.gguf: tensor 'blk\.1\.ffn_up\.weight' holds 1 "
                                          r"non-finite"):
         load_gguf_checkpoint(poisoned)
+
+
+def test_gguf_f64_tensors_load_and_integer_tensors_are_refused_before_reading(tmp_path,
+                                                                             monkeypatch):
+    import gguf
+
+    from jaxgen.models import gguf_checkpoint
+
+    model = small_model()
+    params = model.init_params(jax.random.key(3))
+    kinds = gguf.GGMLQuantizationType
+    wide = write_gguf(str(tmp_path / "f64.gguf"), model, params,
+                      quant={"blk.0.attn_q.weight": kinds.F64, "token_embd.weight": kinds.F64})
+    assert_same_params(load_gguf_checkpoint(wide)[1], params)  # float32 -> float64 is exact
+
+    read = []
+    original = gguf_checkpoint._dequantize
+    monkeypatch.setattr(gguf_checkpoint, "_dequantize", lambda t: read.append(t) or original(t))
+    for kind in (kinds.I8, kinds.I32):
+        path = write_gguf(str(tmp_path / f"{kind.name}.gguf"), model, params,
+                          quant={"blk.1.ffn_up.weight": kind})
+        with pytest.raises(ValueError, match=rf"{kind.name}\.gguf: tensor 'blk\.1\.ffn_up\."
+                                             rf"weight' has type {kind.name} \(integer tensors "
+                                             rf"are not weights\); supported: F32, F16, .*Q8_0"
+                                             rf".*F64"):
+            load_gguf_checkpoint(path)
+    assert read == [], "tensors were read before the integer tensor was refused"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "offset"])
+def test_gguf_tensor_past_the_end_of_the_file_is_named(tmp_path, damage):
+    from gguf import GGUFReader
+
+    model = small_model()
+    path = write_gguf(str(tmp_path / "m.gguf"), model, model.init_params(jax.random.key(3)))
+    if damage == "truncated":  # the last 4 bytes of the last tensor's data are gone
+        damaged = max(GGUFReader(path).tensors, key=lambda t: t.data_offset).name
+        os.truncate(path, os.path.getsize(path) - 4)
+    else:  # the first tensor's offset (its header field's last part) points far away
+        reader = GGUFReader(path, "r+")
+        damaged = reader.tensors[0].name
+        reader.tensors[0].field.parts[-1][0] = 10**9
+        reader.data.flush()
+        del reader
+    with pytest.raises(ValueError, match=rf"m\.gguf: tensor '{re.escape(damaged)}' \(F32, "
+                                         rf"shape \[\d+(, \d+)*\]\) lies past the end of the "
+                                         rf"file: its data spans bytes \[\d+, \d+\) but the "
+                                         rf"file has {os.path.getsize(path)} bytes"):
+        load_gguf_checkpoint(path)
 
 
 # ----------------------------------------------------------------------------- check_params

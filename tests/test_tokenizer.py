@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -155,3 +156,129 @@ def test_gguf_tokenizer_matches_transformers_gguf_conversion(smol):
     for text in ["Hello, world! 1234567890 and 3.14159", "café naïve 日本語のテキスト 🎉👍🏽",
                  "  spaces\tand\nnew  \n\n x", "<|im_start|>user\nhi<|im_end|>\n"]:
         assert smol.encode(text) == theirs.encode(text), text
+
+
+# ----------------------------------------------------------------------------- side files
+TOKENIZER_CONFIG, SPECIAL_MAP = "tokenizer_config.json", "special_tokens_map.json"
+SIDE_FILE_CASES = [  # (file name, content: JSON value or raw bytes) -> what the error names
+    (TOKENIZER_CONFIG, [], r"tokenizer_config\.json: the top level is a list; allowed: a JSON "
+                           r"object"),
+    (TOKENIZER_CONFIG, None, r"tokenizer_config\.json: the top level is null"),
+    (SPECIAL_MAP, [], r"special_tokens_map\.json: the top level is a list"),
+    (TOKENIZER_CONFIG, {"chat_template": [{"name": "x"}]},
+     r"chat_template\[0\]=\{'name': 'x'\}; allowed: \{\"name\": str, \"template\": str\}"),
+    (TOKENIZER_CONFIG, {"chat_template": ["abc"]}, r"chat_template\[0\]='abc'; allowed"),
+    (TOKENIZER_CONFIG, {"chat_template": 5}, r"chat_template=5; allowed: a string, or a list"),
+    (TOKENIZER_CONFIG, {"additional_special_tokens": 5},
+     r"additional_special_tokens=5; allowed: a list"),
+    (TOKENIZER_CONFIG, {"additional_special_tokens": "<extra>"},  # was: one token a character
+     r"additional_special_tokens='<extra>'; allowed: a list"),
+    (TOKENIZER_CONFIG, {"additional_special_tokens": ["<x>", None]},
+     r"additional_special_tokens\[1\]=None; allowed: a string or an AddedToken"),
+    (TOKENIZER_CONFIG, {"extra_special_tokens": {"image": 5}},
+     r"extra_special_tokens\['image'\]=5; allowed"),
+    (TOKENIZER_CONFIG, {"bos_token": 5}, r"bos_token=5; allowed: a string or an AddedToken "
+                                         r"object \{\"content\": str, \.\.\.\}, or null"),
+    (TOKENIZER_CONFIG, {"bos_token": ["<s>"]}, r"bos_token=\['<s>'\]; allowed"),
+    (TOKENIZER_CONFIG, {"eos_token": {"content": 5}}, r"eos_token=\{'content': 5\}; allowed"),
+    (SPECIAL_MAP, {"pad_token": 3}, r"special_tokens_map\.json: pad_token=3; allowed"),
+    (TOKENIZER_CONFIG, {"clean_up_tokenization_spaces": "no"},
+     r"clean_up_tokenization_spaces='no'; allowed: true, false or null"),
+    (TOKENIZER_CONFIG, b'{"bos_token": "<s>\xff"}', r"tokenizer_config\.json: not UTF-8 text"),
+    ("chat_template.jinja", b"{{ bos_token }}\xff", r"chat_template\.jinja: not UTF-8 text"),
+    (TOKENIZER_CONFIG, b"[" * 100_000 + b"]" * 100_000, r"tokenizer_config\.json: invalid JSON "
+                                                        r"\(nested too deeply\)"),
+]
+
+
+def _word_folder(folder, files: dict) -> str:
+    """A word-level tokenizer.json plus `files` (name -> JSON value, or bytes as they are)."""
+    vocab = {"<s>": 0, "</s>": 1, "hi": 2, "<unk>": 3}
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    os.makedirs(folder, exist_ok=True)
+    backend.save(os.path.join(folder, "tokenizer.json"))
+    for name, content in files.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(content if isinstance(content, bytes) else json.dumps(content).encode())
+    return str(folder)
+
+
+@pytest.mark.parametrize("name, content, message", SIDE_FILE_CASES,
+                         ids=[f"{n}-{str(c)[:30]}" for n, c, _ in SIDE_FILE_CASES])
+def test_malformed_side_file_value_is_named(tmp_path, name, content, message):
+    folder = _word_folder(tmp_path / "tok", {name: content})
+    with pytest.raises(ValueError, match=message) as error:
+        Tokenizer.from_hf_folder(folder)
+    assert os.path.join(folder, name) in str(error.value)
+
+
+def test_side_files_in_the_forms_transformers_writes(tmp_path):
+    """AddedToken objects, named templates ("default" wins), null values, named
+    extra_special_tokens and special_tokens_map.json as a fallback all load."""
+    folder = _word_folder(tmp_path / "tok", {
+        TOKENIZER_CONFIG: {"bos_token": {"content": "<s>", "__type": "AddedToken"},
+                           "unk_token": None, "clean_up_tokenization_spaces": None,
+                           "extra_special_tokens": {"image": "<img>"},
+                           "chat_template": [{"name": "rag", "template": "R"},
+                                             {"name": "default", "template": "D"}]},
+        SPECIAL_MAP: {"eos_token": "</s>"}})
+    tok = Tokenizer.from_hf_folder(folder)
+    assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert tok.additional_special_tokens == ("<img>",) and tok.chat_template == "D"
+    assert tok.clean_up_tokenization_spaces is False
+    assert tok.encode("hi <img>", add_special_tokens=False) == [2, tok.get_vocab()["<img>"]]
+
+
+# ----------------------------------------------------------------------------- GGUF metadata
+GGUF_TOKENS = ["<s>", "a", "b", "ab", "c"]
+GGUF_TOKENIZER_CASES = [  # tokenizer.* metadata over a valid set -> what the error names
+    ({"tokenizer.ggml.tokens": None}, r"missing metadata tokenizer\.ggml\.tokens \(the "
+                                      r"vocabulary\); allowed: an array of strings"),
+    ({"tokenizer.ggml.tokens": [1, 2, 3]}, r"tokenizer\.ggml\.tokens=\[1, 2, 3\]; allowed: an "
+                                           r"array of strings"),
+    ({"tokenizer.ggml.tokens": "abc"}, r"tokenizer\.ggml\.tokens='abc'; allowed"),
+    ({"tokenizer.ggml.merges": ["ab"]}, r"tokenizer\.ggml\.merges\[0\]='ab'; allowed: two "
+                                        r"tokens separated by one space"),
+    ({"tokenizer.ggml.merges": ["a b", "zz yy"]},
+     r"tokenizer\.ggml\.merges\[1\]='zz yy': 'zz' is not in tokenizer\.ggml\.tokens"),
+    ({"tokenizer.ggml.merges": ["b c"]}, r"merges\[0\]='b c': 'bc' is not in"),
+    ({"tokenizer.ggml.token_type": [3]}, r"tokenizer\.ggml\.token_type=\[3\]; allowed: an array "
+                                         r"of 5 integers"),
+    ({"tokenizer.ggml.add_bos_token": "false"}, r"tokenizer\.ggml\.add_bos_token='false'; "
+                                                r"allowed: true or false"),
+    ({"tokenizer.ggml.bos_token_id": "0"}, r"tokenizer\.ggml\.bos_token_id='0'; allowed: a "
+                                           r"token id"),
+    ({"tokenizer.chat_template": 5}, r"tokenizer\.chat_template=5; allowed: a string"),
+]
+
+
+def _gguf_with_tokenizer(path, **metadata) -> str:
+    from jaxgen.models import Llama, LlamaConfig
+    from tests.test_loader_checks import SMALL, write_gguf
+
+    model = Llama(LlamaConfig(**SMALL))
+    params = model.init_params(jax.random.key(0))
+    tokenizer = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": GGUF_TOKENS,
+                 "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [3, 1, 1, 1, 1],
+                 "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.add_bos_token": True}
+    return write_gguf(str(path), model, params, metadata={**tokenizer, **metadata})
+
+
+def test_gguf_tokenizer_metadata_builds_the_tokenizer(tmp_path):
+    from jaxgen.models.gguf_tokenizer import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(_gguf_with_tokenizer(tmp_path / "t.gguf"))
+    assert tok.encode("abc") == [0, 3, 4] and tok.bos_token == "<s>"
+
+
+@pytest.mark.parametrize("metadata, message", GGUF_TOKENIZER_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in m.items())[:60]
+                              for m, _ in GGUF_TOKENIZER_CASES])
+def test_malformed_gguf_tokenizer_metadata_is_named(tmp_path, metadata, message):
+    from jaxgen.models.gguf_tokenizer import load_gguf_tokenizer
+
+    path = _gguf_with_tokenizer(tmp_path / "t.gguf", **metadata)
+    with pytest.raises(ValueError, match=message) as error:
+        load_gguf_tokenizer(path)
+    assert str(error.value).startswith(f"{path}: ")

@@ -124,6 +124,32 @@ def check_llama_numbers(values: Mapping, names: Mapping[str, str] | None = None,
                                  f"{shown('vocab_size')}={vocab})")
 
 
+def check_activation(config: Mapping, allowed: tuple[str, ...] = ("silu",),
+                     where: str = "", key: str = "hidden_act") -> None:
+    """ValueError naming config.json's `key` unless it is absent or one of `allowed` (the
+    MLP activations the family implements).
+
+    Example:
+        >>> check_activation({"hidden_act": "gelu"}, where="config.json")
+        Traceback (most recent call last):
+        ...
+        ValueError: config.json: hidden_act='gelu'; allowed: 'silu'
+    """
+    value = config.get(key, allowed[0])
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{_where(where)}{key}={value!r}; allowed: "
+                         f"{', '.join(map(repr, allowed))}")
+
+
+def refuse_quantization(config: Mapping, where: str = "") -> None:
+    """ValueError when config.json carries a `quantization_config` (FP8 blocks, GPTQ, AWQ,
+    bitsandbytes ...): the loaders read float weights only."""
+    if config.get("quantization_config"):
+        raise ValueError(f"{_where(where)}quantization_config={config['quantization_config']!r}"
+                         f": quantized checkpoints (e.g. FP8 blocks, GPTQ, AWQ) are not "
+                         f"supported; allowed: none (dequantize the weights first)")
+
+
 def check_layer_count(indices: set[int], name: str, needed: int, pattern: str,
                       where: str = "") -> None:
     """ValueError when the config needs more layers (`needed`, under the config key `name`)
@@ -204,5 +230,6 @@ def check_tensor_shapes(expected: Mapping[str, tuple], actual: Mapping[str, tupl
                              f" does the config match the weights?")
 
 
-__all__ = ["FLOAT_LIMITS", "INT_LIMITS", "check_float", "check_int", "check_layer_count",
-           "check_llama_numbers", "check_tensor_shapes", "is_int", "shape_origin"]
+__all__ = ["FLOAT_LIMITS", "INT_LIMITS", "check_activation", "check_float", "check_int",
+           "check_layer_count", "check_llama_numbers", "check_tensor_shapes", "is_int",
+           "refuse_quantization", "shape_origin"]

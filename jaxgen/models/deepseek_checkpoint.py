@@ -43,7 +43,7 @@ Example (the config alone; tests/test_deepseek_v3.py builds whole folders with t
 """
 from __future__ import annotations
 
-import json
+import json  # noqa: F401  (the docstring's example)
 import os
 
 import jax.numpy as jnp
@@ -54,6 +54,7 @@ from jaxgen.models.checkpoint_checks import (
     reject_unexpected,
     require_finite,
 )
+from jaxgen.models.checkpoint_files import read_json_file
 from jaxgen.models.deepseek_v3 import DeepseekV3, DeepseekV3Config, param_shapes
 from jaxgen.models.hf_checkpoint import IGNORED_HF_TENSORS, read_hf_tensors
 from jaxgen.models.moe import read_moe_layer
@@ -84,28 +85,16 @@ MTP_SHARED_COPIES = ("shared_head.head.weight", "embed_tokens.weight")
 FLOAT32_KEYS = ("router", "router_bias")  # kept in float32 whatever the dtype
 
 
-def _read_json(path: str, required: bool = True):
-    if not os.path.isfile(path):
-        if required:
-            raise FileNotFoundError(f"missing file: {path}")
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON ({err})") from None
-
-
 def load_deepseek_v3_config(folder: str) -> DeepseekV3Config:
     """DeepseekV3Config from `config.json` (+ `generation_config.json` when present)."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     path = os.path.join(folder, "config.json")
-    generation = _read_json(os.path.join(folder, "generation_config.json"), required=False)
+    generation = read_json_file(os.path.join(folder, "generation_config.json"), required=False)
     if generation is not None and not isinstance(generation, dict):
         raise ValueError(f"{folder}/generation_config.json holds a {type(generation).__name__}"
                          f", expected an object")
-    return DeepseekV3Config.from_hf_dict(_read_json(path), generation, where=path)
+    return DeepseekV3Config.from_hf_dict(read_json_file(path), generation, where=path)
 
 
 class _Reader:
@@ -235,9 +224,9 @@ def load_deepseek_v3(folder: str, dtype=jnp.float32) -> tuple[DeepseekV3, dict,
     """(model, params, tokenizer) from a HF DeepSeek-V3 folder; tokenizer is None without
     tokenizer.json. dtype: jnp.float32 or jnp.bfloat16."""
     config = load_deepseek_v3_config(folder)
+    tokenizer = Tokenizer.of_folder(folder)  # before any weight is read
     tensors = read_hf_tensors(folder)
     model = DeepseekV3(config)
     params = hf_to_params(config, tensors, dtype, where=folder)
     model.check_params(params)
-    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
-    return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
+    return model, params, tokenizer

@@ -54,9 +54,11 @@ from jaxgen.models import rope as rope_lib
 from jaxgen.models.config_checks import (
     FLOAT_LIMITS,
     INT_LIMITS,
+    check_activation,
     check_float,
     check_int,
     check_llama_numbers,
+    refuse_quantization,
 )
 from jaxgen.models.deepseek_mtp import DeepseekMtpLayers, mtp_param_shapes
 from jaxgen.models.llama import ModelOutput, freeze
@@ -166,17 +168,13 @@ class DeepseekV3Config:
         if config.get("model_type") != "deepseek_v3":
             raise ValueError(f"{prefix}model_type={config.get('model_type')!r}; allowed: "
                              f"'deepseek_v3'")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{prefix}hidden_act={config.get('hidden_act')!r}; allowed: 'silu'")
+        check_activation(config, where=where)
         # DeepSeek's own config.json fields that would change the math if they differed
         for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
                              ("moe_layer_freq", 1)):
             if config.get(key, allowed) != allowed:
                 raise ValueError(f"{prefix}{key}={config[key]!r}; allowed: {allowed!r}")
-        if config.get("quantization_config"):
-            raise ValueError(f"{prefix}quantization_config={config['quantization_config']!r}: "
-                             f"quantized checkpoints (e.g. DeepSeek's fp8 blocks) are not "
-                             f"supported; allowed: none (dequantize the weights first)")
+        refuse_quantization(config, where)
         for key in ("tie_word_embeddings", "attention_bias", "rope_interleave"):
             if not isinstance(config.get(key, False), bool):
                 raise ValueError(f"{prefix}{key}={config[key]!r}; allowed: true or false")
@@ -223,11 +221,15 @@ class DeepseekV3Config:
                    pad_token_id=gen.get("pad_token_id", config.get("pad_token_id")))
         check_llama_numbers({**{k: v for k, v in numbers.items() if k in INT_LIMITS
                                 or k in FLOAT_LIMITS}, **ids}, HF_NAMES, where)
-        return cls(**numbers, moe=MoeConfig.from_hf_dict(config, where), rope_scaling=scaling,
-                   rope_interleave=bool(config.get("rope_interleave", True)),
-                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   attention_bias=bool(config.get("attention_bias", False)), **ids,
-                   generation_defaults=freeze(gen))
+        moe = MoeConfig.from_hf_dict(config, where)
+        try:  # the checks __post_init__ makes (qk_rope_head_dim even ...), with the path
+            return cls(**numbers, moe=moe, rope_scaling=scaling,
+                       rope_interleave=bool(config.get("rope_interleave", True)),
+                       tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                       attention_bias=bool(config.get("attention_bias", False)), **ids,
+                       generation_defaults=freeze(gen))
+        except ValueError as error:
+            raise ValueError(f"{prefix}{error}") from None
 
 
 def check_rope(scaling: dict, where: str = "") -> None:

@@ -74,6 +74,7 @@ from jaxgen.models.config_checks import (
     check_float,
     check_int,
     check_llama_numbers,
+    refuse_quantization,
 )
 from jaxgen.models.llama import ModelOutput, apply_rope, freeze
 
@@ -202,6 +203,7 @@ class GemmaConfig:
         if arch is None:
             raise ValueError(f"{prefix}model_type={model_type!r}; allowed: 'gemma2', "
                              f"'gemma3_text'")
+        refuse_quantization(config, where)
         if config.get("use_bidirectional_attention"):
             raise ValueError(f"{prefix}use_bidirectional_attention=true is not supported; "
                              f"allowed: false (causal decoding)")

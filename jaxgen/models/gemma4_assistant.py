@@ -50,7 +50,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -61,6 +60,7 @@ import numpy as np
 
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.sharding import MODEL, check_divides
+from jaxgen.models.checkpoint_files import read_json_file
 from jaxgen.models.config_checks import check_int
 from jaxgen.models.gemma4 import (
     Gemma4,
@@ -287,8 +287,9 @@ class Gemma4Assistant:
 def load_gemma4_assistant(folder: str, dtype=jnp.float32):
     """(assistant, params, None) from a "gemma4_assistant" folder."""
     path = os.path.join(folder, "config.json")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = read_json_file(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a {type(config).__name__}, expected an object")
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{path}: text_config={text!r}; allowed: an object")
@@ -306,7 +307,7 @@ def load_gemma4_assistant(folder: str, dtype=jnp.float32):
                                 2**24, path),
         centroid_intermediate_top_k=check_int("centroid_intermediate_top_k", config.get(
             "centroid_intermediate_top_k", 32), 1, 2**24, path)))
-    tensors = read_hf_tensors(folder)
+    tensors = read_hf_tensors(folder, integer=("masked_embedding.token_ordering",))
     shapes = assistant.param_shapes()
     params = {}
     for key, name in (("pre_projection", "pre_projection.weight"),

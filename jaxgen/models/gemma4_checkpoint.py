@@ -31,7 +31,14 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.models.config_checks import FLOAT_LIMITS, INT_LIMITS, check_float, check_int
+from jaxgen.models.checkpoint_files import read_json_file
+from jaxgen.models.config_checks import (
+    FLOAT_LIMITS,
+    INT_LIMITS,
+    check_float,
+    check_int,
+    refuse_quantization,
+)
 from jaxgen.models.gemma4 import LAYER_TYPES, ROPE_TYPES, Gemma4, Gemma4Config
 from jaxgen.models.hf_checkpoint import read_hf_tensors
 from jaxgen.models.rope import freeze
@@ -78,6 +85,7 @@ def gemma4_config(config: dict, generation_config: dict | None = None,
     if config.get("enable_moe_block"):
         raise ValueError(f"{prefix}enable_moe_block=True is not supported by jaxgen's Gemma 4 "
                          f"(allowed: false)")
+    refuse_quantization(config, where)
     _refuse(config, "use_bidirectional_attention", (None,), None, prefix)
     _refuse(config, "attention_bias", (False,), False, prefix)
     _refuse(config, "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh", prefix)
@@ -175,10 +183,10 @@ def gemma4_config(config: dict, generation_config: dict | None = None,
 def read_config(folder: str) -> tuple[dict, dict | None, str]:
     """(text config dict, generation_config dict or None, model_type) of a Gemma 4 folder."""
     path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing file: {path}")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = read_json_file(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a {type(config).__name__}, expected an object")
+    refuse_quantization(config, path)  # the top level's (text_config's: gemma4_config)
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"{path}: model_type={model_type!r}; allowed: {', '.join(MODEL_TYPES)}")
@@ -186,10 +194,9 @@ def read_config(folder: str) -> tuple[dict, dict | None, str]:
     if not isinstance(text, dict):
         raise ValueError(f"{path}: text_config={text!r}; allowed: an object")
     gen_path = os.path.join(folder, "generation_config.json")
-    generation = None
-    if os.path.isfile(gen_path):
-        with open(gen_path, encoding="utf-8") as f:
-            generation = json.load(f)
+    generation = read_json_file(gen_path, required=False)
+    if generation is not None and not isinstance(generation, dict):
+        raise ValueError(f"{gen_path} holds a {type(generation).__name__}, expected an object")
     return text, generation, model_type
 
 
@@ -257,8 +264,9 @@ def load_gemma4(folder: str, dtype=jnp.float32) -> tuple[Gemma4, dict, Tokenizer
     model of "gemma4"). Unused tensors other than the vision / audio towers are an error."""
     text, generation, model_type = read_config(folder)
     config = gemma4_config(text, generation, where=os.path.join(folder, "config.json"))
+    tokenizer = Tokenizer.of_folder(folder)  # before any weight is read
     model = Gemma4(config)
-    tensors = read_hf_tensors(folder)
+    tensors = read_hf_tensors(folder, skipped=_TOWER_PREFIXES)
     prefix = _TEXT_PREFIXES[0] if model_type == "gemma4" else _TEXT_PREFIXES[1]
     params = gemma4_params(model, tensors, prefix, dtype, where=folder)
     towers = [name for name in tensors.keys() if name.startswith(_TOWER_PREFIXES)]
@@ -277,5 +285,4 @@ def load_gemma4(folder: str, dtype=jnp.float32) -> tuple[Gemma4, dict, Tokenizer
     if towers:
         warnings.warn(f"{folder}: the vision / audio towers ({len(towers)} tensors) are not "
                       f"loaded; jaxgen generates from text only", stacklevel=2)
-    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
-    return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
+    return model, params, tokenizer

@@ -22,7 +22,6 @@ Example:
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -32,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.checkpoint_checks import names_list, reject_unexpected, require_finite
-from jaxgen.models.config_checks import check_layer_count
+from jaxgen.models.checkpoint_files import read_json_file
+from jaxgen.models.config_checks import check_layer_count, refuse_quantization
 from jaxgen.models.gemma import Gemma, GemmaConfig, gemma_param_shapes
 from jaxgen.models.hf_checkpoint import IGNORED_HF_TENSORS, read_hf_tensors
 from jaxgen.models.tokenizer import Tokenizer
@@ -62,13 +62,9 @@ _VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "visi
 
 
 def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
+    value = read_json_file(path, required=False)
+    if value is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON ({err})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds a {type(value).__name__}, expected an object")
     return value
@@ -81,6 +77,7 @@ def load_gemma_config(folder: str) -> tuple[GemmaConfig, bool]:
     if config is None:
         raise FileNotFoundError(f"missing file: {path}")
     generation = _read_json(os.path.join(folder, "generation_config.json"))
+    refuse_quantization(config, path)  # the top level's, for gemma3 (text_config's below)
     multimodal = config.get("model_type") == "gemma3"
     if multimodal:
         text = config.get("text_config")
@@ -157,15 +154,15 @@ def load_gemma_checkpoint(folder: str, dtype=jnp.float32) -> tuple[Gemma, dict]:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     config, multimodal = load_gemma_config(folder)
-    tensors = read_hf_tensors(folder)
-    prefix = _text_prefix(tensors) if multimodal else "model."
     skipped = _VISION_PREFIXES if multimodal else ()
+    tensors = read_hf_tensors(folder, skipped=skipped)
+    prefix = _text_prefix(tensors) if multimodal else "model."
     return Gemma(config), gemma_params(config, tensors, dtype, prefix=prefix, skipped=skipped,
                                        where=folder)
 
 
 def load_gemma(folder: str, dtype=jnp.float32) -> tuple[Gemma, dict, Tokenizer | None]:
     """(model, params, tokenizer or None): the loader HF_FAMILY_LOADERS runs for Gemma."""
+    tokenizer = Tokenizer.of_folder(folder)  # before any weight is read
     model, params = load_gemma_checkpoint(folder, dtype)
-    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
-    return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
+    return model, params, tokenizer

@@ -146,9 +146,10 @@ def stack(matrices: list[BlockMatrix]) -> BlockMatrix:
 
 def block_params(reader, config, params: dict, path: str = "<gguf>") -> dict:
     """`params` (the float load of the same file) with every decoder matrix and the LM head
-    read again as BlockMatrix from `reader`'s quantized tensors. Float tensors (F32 / F16)
-    stay float; a layer matrix of a quantized type outside BLOCK_KINDS is a ValueError naming
-    it, an LM head of such a type (Q6_K in llama.cpp's Q4_0 files) keeps its float load."""
+    read again as BlockMatrix from `reader`'s quantized tensors. Float tensors (F32 / F16 /
+    BF16 / F64) stay float; a layer matrix of a quantized type outside BLOCK_KINDS is a
+    ValueError naming it, an LM head of such a type (Q6_K in llama.cpp's Q4_0 files) keeps
+    its float load."""
     from jaxgen.models.gguf_checkpoint import _LAYER_NAMES, unpermute_rows
 
     tensors = {t.name: t for t in reader.tensors}
@@ -156,7 +157,7 @@ def block_params(reader, config, params: dict, path: str = "<gguf>") -> dict:
     def read(name: str, heads: int | None = None, strict: bool = True):
         tensor = tensors[name]
         kind = tensor.tensor_type.name
-        if kind in ("F32", "F16", "BF16") or (kind not in BLOCK_KINDS and not strict):
+        if kind in ("F32", "F16", "BF16", "F64") or (kind not in BLOCK_KINDS and not strict):
             return None  # keep the float load's array
         if kind not in BLOCK_KINDS:
             raise ValueError(f"{path}: tensor {name} is {kind}; weights='gguf' keeps "

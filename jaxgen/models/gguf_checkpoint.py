@@ -1,7 +1,8 @@
 """Loads a llama.cpp GGUF file (architecture "llama") into (Llama, params).
 
 Quantized tensors (Q4_1, Q8_0, ...) are dequantized to float32 with `gguf.quants.dequantize`
-and then cast to the requested dtype. GGUF lists dims fastest-first, so a tensor shown as
+(F64 tensors are cast) and then cast to the requested dtype; integer tensors are refused
+(jaxgen/models/gguf_tensors.py). GGUF lists dims fastest-first, so a tensor shown as
 [in, out] arrives in numpy as [out, in] (HF's nn.Linear layout); we transpose to [in, out].
 
 llama.cpp's converter permutes the rows of q/k projection weights of "llama" models (to the
@@ -61,24 +62,32 @@ _LAYER_NAMES = {  # params name -> (GGUF name under blk.{i}., is a [out, in] mat
 
 
 def open_gguf(path: str):
-    """gguf.GGUFReader over `path`, with clear errors for missing / truncated files."""
-    from gguf import GGUFReader
+    """gguf.GGUFReader over `path`, with clear errors for missing / truncated files (a tensor
+    whose data lies past the end of the file is named: gguf_tensors.CheckedReader)."""
+    from jaxgen.models.gguf_tensors import CheckedReader, TensorOutsideFile
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return GGUFReader(path)
+        return CheckedReader(path)
+    except TensorOutsideFile as err:
+        raise ValueError(f"{path}: {err}") from None
     except Exception as err:  # the reader raises assorted errors on damaged files
         raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(err).__name__}: {err})") \
             from None
 
 
 def field(reader, key: str, default=None):
-    """A metadata value (str, number, or list) or `default` when absent."""
+    """A metadata value (str, number, or list) or `default` when absent; a string that is
+    not UTF-8 is a ValueError naming the key (and the file, for `open_gguf`'s readers)."""
     entry = reader.fields.get(key)
     if entry is None:
         return default
-    return entry.contents()
+    try:
+        return entry.contents()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{getattr(reader, 'path', '<gguf>')}: metadata {key} is not UTF-8 "
+                         f"text ({err})") from None
 
 
 def _clean_float(value: float) -> float:
@@ -123,7 +132,7 @@ def gguf_config(reader, path: str = "<gguf>") -> LlamaConfig:
     hidden, heads = number("hidden_size"), number("num_heads")
     tokens = field(reader, "tokenizer.ggml.tokens") or ()
     vocab = number("vocab_size", len(tokens) or None)
-    head_dim = number("head_dim", required=False)
+    head_dim = _head_dim(reader, arch, number("head_dim", required=False), path)
     if head_dim is None:
         if hidden % heads:
             raise ValueError(f"{path}: {names['hidden_size']}={hidden} is not a multiple of "
@@ -171,11 +180,35 @@ def gguf_config(reader, path: str = "<gguf>") -> LlamaConfig:
     )
 
 
+def _head_dim(reader, arch: str, rope_dims: int | None, path: str) -> int | None:
+    """The head size: llama.cpp's {arch}.attention.key_length when present, else
+    rope.dimension_count (None: neither). jaxgen's Llama rotates whole heads of one size, so
+    rope.dimension_count and attention.value_length, when present, must equal key_length."""
+    key = f"{arch}.attention.key_length"
+    key_length = field(reader, key)
+    if key_length is None:
+        return rope_dims
+    key_length = check_int(key, key_length, *INT_LIMITS["head_dim"], path)
+    rope_key = gguf_names(arch)["head_dim"]
+    if rope_dims is not None and rope_dims != key_length:
+        raise ValueError(f"{path}: {rope_key}={rope_dims} differs from {key}={key_length}; "
+                         f"allowed: equal values (partial rotary embeddings are not "
+                         f"supported)")
+    value_key = f"{arch}.attention.value_length"
+    value_length = field(reader, value_key)
+    if value_length is not None and check_int(value_key, value_length, *INT_LIMITS["head_dim"],
+                                              path) != key_length:
+        raise ValueError(f"{path}: {value_key}={value_length} differs from {key}={key_length}; "
+                         f"allowed: equal values (one head size for keys and values)")
+    return key_length
+
+
 def check_against_tensors(config: LlamaConfig, tensors: dict, path: str = "<gguf>",
                           arch: str = "llama") -> None:
     """The config against the file's tensors before any is dequantized: the blocks it needs
-    are there (blk.{i}. for i < block_count), and every tensor the config names has the shape
-    the config implies. ValueError naming the metadata key."""
+    are there (blk.{i}. for i < block_count), every tensor the config names has the shape
+    the config implies (ValueError naming the metadata key) and a type the loader reads
+    (ValueError naming the tensor and its type)."""
     names = gguf_names(arch)
     indices = {int(m.group(1)) for m in map(_BLOCK_INDEX.match, tensors) if m}
     check_layer_count(indices, names["num_layers"], config.num_layers, "blk.{i}.", path)
@@ -186,6 +219,9 @@ def check_against_tensors(config: LlamaConfig, tensors: dict, path: str = "<gguf
     stored = {name: tuple(int(d) for d in reversed(tensors[name].shape))
               for name in expected if name in tensors}
     check_tensor_shapes(expected, stored, origin, path)
+    from jaxgen.models.gguf_tensors import check_tensor_types
+
+    check_tensor_types(tensors, stored, path)
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -198,8 +234,13 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _dequantize(tensor) -> np.ndarray:
     from gguf.quants import dequantize
 
-    array = dequantize(tensor.data, tensor.tensor_type)  # numpy order, e.g. [out, in]
-    return np.asarray(array, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    if tensor.tensor_type.name == "F64":  # gguf.quants has no F64; float32 overflow -> inf,
+        with np.errstate(over="ignore"):  # which require_finite then names
+            array = np.asarray(tensor.data, dtype=np.float32)
+    else:
+        array = dequantize(tensor.data, tensor.tensor_type)  # numpy order, e.g. [out, in]
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # numpy order
+    return np.asarray(array, dtype=np.float32).reshape(shape)
 
 
 def load_gguf_checkpoint(path: str, dtype=jnp.float32, *,

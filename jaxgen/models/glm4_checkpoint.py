@@ -40,7 +40,6 @@ Example:
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 
@@ -48,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.checkpoint_checks import names_list, reject_unexpected, require_finite
+from jaxgen.models.checkpoint_files import read_json_file
 from jaxgen.models.config_checks import check_layer_count, check_tensor_shapes
 from jaxgen.models.glm4_moe import ATTENTION_KEYS, DENSE_KEYS, Glm4Moe, Glm4MoeConfig
 from jaxgen.models.hf_checkpoint import IGNORED_HF_TENSORS, read_hf_tensors
@@ -62,26 +62,14 @@ __all__ = ["load_glm4_moe", "load_glm4_moe_config"]
 _LAYER_INDEX_PREFIX = "model.layers."
 
 
-def _read_json(path: str, required: bool = True):
-    if not os.path.isfile(path):
-        if required:
-            raise FileNotFoundError(f"missing file: {path}")
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON ({err})") from None
-
-
 def load_glm4_moe_config(folder: str) -> Glm4MoeConfig:
     """Glm4MoeConfig from `config.json` (+ `generation_config.json` when present)."""
     path = os.path.join(folder, "config.json")
-    generation = _read_json(os.path.join(folder, "generation_config.json"), required=False)
+    generation = read_json_file(os.path.join(folder, "generation_config.json"), required=False)
     if generation is not None and not isinstance(generation, dict):
         raise ValueError(f"{folder}/generation_config.json holds a {type(generation).__name__}"
                          f", expected an object")
-    return Glm4MoeConfig.from_hf_dict(_read_json(path), generation, where=path)
+    return Glm4MoeConfig.from_hf_dict(read_json_file(path), generation, where=path)
 
 
 def _expected_hf_shapes(config: Glm4MoeConfig) -> dict:
@@ -222,6 +210,6 @@ def load_glm4_moe(folder: str, dtype=jnp.float32) -> tuple[Glm4Moe, dict, Tokeni
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     config = load_glm4_moe_config(folder)
+    tokenizer = Tokenizer.of_folder(folder)  # before any weight is read
     params = glm4_moe_params(config, read_hf_tensors(folder), dtype, where=folder)
-    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
-    return Glm4Moe(config), params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
+    return Glm4Moe(config), params, tokenizer

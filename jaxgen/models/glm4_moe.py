@@ -58,9 +58,11 @@ from jaxgen.models import rope as rope_lib
 from jaxgen.models.config_checks import (
     FLOAT_LIMITS,
     INT_LIMITS,
+    check_activation,
     check_float,
     check_int,
     check_llama_numbers,
+    refuse_quantization,
 )
 from jaxgen.models.llama import ModelOutput, _check_keys, _check_shape
 from jaxgen.models.moe import MOE_SHARDING_RULES, MoeConfig, moe_mlp, moe_shapes
@@ -151,9 +153,8 @@ class Glm4MoeConfig:
         if config.get("model_type") != "glm4_moe":
             raise ValueError(f"{prefix}model_type={config.get('model_type')!r}; allowed: "
                              f"'glm4_moe'")
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{prefix}hidden_act={act!r}; allowed: 'silu'")
+        check_activation(config, where=where)
+        refuse_quantization(config, where)
         for key in ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob"):
             if not isinstance(config.get(key, False), bool):
                 raise ValueError(f"{prefix}{key}={config[key]!r}; allowed: true or false")

@@ -7,7 +7,13 @@ sharded `model.safetensors.index.json`; maps HF names/layouts onto the params la
 Strict: every tensor in the files must be used (see `checkpoint_checks`), except the
 buffers HF checkpoints routinely carry that hold no weights (`IGNORED_HF_TENSORS`: RoPE
 frequency tables, recomputed from the config) and a tied `lm_head.weight` equal to the
-embeddings. Every weight must be finite.
+embeddings. Every tensor must be floating point (F32, F16, BF16, F64; checked from the
+headers before a weight is read) and every weight finite.
+
+Files: symlinks in the folder are followed wherever they point (the folder owner's choice,
+as in the Hugging Face hub cache, whose snapshot files link into its blobs folder); the
+shard names `model.safetensors.index.json` lists must stay inside the folder
+(jaxgen/models/checkpoint_files.py).
 
 Example:
     >>> import tempfile, jax
@@ -21,7 +27,6 @@ Example:
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -34,6 +39,7 @@ from jaxgen.models.checkpoint_checks import (
     reject_unexpected,
     require_finite,
 )
+from jaxgen.models.checkpoint_files import read_json_file, require_regular_file, shard_path
 from jaxgen.models.config_checks import (
     check_layer_count,
     check_tensor_shapes,
@@ -48,7 +54,7 @@ from jaxgen.models.llama import (
 )
 from jaxgen.models.mtp_checkpoint import read_mtp_tensors
 from jaxgen.models.mtp_layout import mtp_shapes
-from jaxgen.models.safetensors_io import TensorFiles, open_safetensors
+from jaxgen.models.safetensors_io import TensorFiles, check_tensor_dtypes, open_safetensors
 from jaxgen.models.tokenizer import Tokenizer
 
 # Tensors HF checkpoints may carry that are not weights: the RoPE tables older Llama code
@@ -75,24 +81,12 @@ _LAYER_NAMES = {  # params name -> (HF suffix under model.layers.{i}., transpose
 }
 
 
-def _read_json(path: str, required: bool = True) -> dict | None:
-    if not os.path.isfile(path):
-        if required:
-            raise FileNotFoundError(f"missing file: {path}")
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON ({err})") from None
-
-
 def read_model_type(folder: str) -> str | None:
     """config.json's `model_type` (None when absent): which family's loader reads the folder.
     A missing folder or config.json, or invalid JSON, raises as `load_hf_config` does."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
-    config = _read_json(os.path.join(folder, "config.json"))
+    config = read_json_file(os.path.join(folder, "config.json"))
     model_type = config.get("model_type") if isinstance(config, dict) else None
     return model_type if isinstance(model_type, str) else None
 
@@ -102,39 +96,53 @@ def load_hf_config(folder: str) -> LlamaConfig:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     path = os.path.join(folder, "config.json")
-    config = _read_json(path)
-    generation = _read_json(os.path.join(folder, "generation_config.json"), required=False)
+    config = read_json_file(path)
+    generation = read_json_file(os.path.join(folder, "generation_config.json"), required=False)
     if generation is not None and not isinstance(generation, dict):
         raise ValueError(f"{folder}/generation_config.json holds a {type(generation).__name__}"
                          f", expected an object")
     return LlamaConfig.from_hf_dict(config, generation, where=path)
 
 
-def read_hf_tensors(folder: str) -> Mapping[str, np.ndarray]:
+def read_hf_tensors(folder: str, *, skipped: tuple[str, ...] = (),
+                    integer: tuple[str, ...] = ()) -> Mapping[str, np.ndarray]:
     """Every tensor of the checkpoint (single file or the shards listed in the index), as a
     lazy name -> numpy array mapping. Headers are validated now; a corrupt or truncated file,
-    or a shard the index lists but the folder lacks, raises ValueError naming the path."""
+    a shard the index lists but the folder lacks, a shard name leaving the folder, or a
+    tensor that is not floating point raises ValueError naming the path. skipped: name
+    prefixes of parts the caller does not read (their dtypes are not checked); integer: the
+    tensors that hold integer indices instead (safetensors_io.check_tensor_dtypes)."""
     single = os.path.join(folder, "model.safetensors")
     index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        return open_safetensors(single)
-    if os.path.isfile(index_path):
-        index = _read_json(index_path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index_path}: no 'weight_map'")
-        shards = {}
-        for shard in sorted(set(weight_map.values())):
-            path = os.path.join(folder, shard)
-            if not os.path.isfile(path):
-                raise ValueError(f"{index_path} lists shard {shard!r}, but {path} is missing")
-            shards[shard] = open_safetensors(path)
-        absent = sorted(n for n, shard in weight_map.items() if n not in shards[shard])
-        if absent:
-            raise ValueError(f"{index_path}: {len(absent)} tensor(s) not in the shard the index "
-                             f"names: {names_list(absent)}")
-        return TensorFiles(list(shards.values()))
-    raise FileNotFoundError(f"missing file: {single} (nor a sharded {index_path})")
+    if require_regular_file(single):
+        tensors = open_safetensors(single)
+    elif require_regular_file(index_path):
+        tensors = _read_shards(folder, index_path)
+    else:
+        raise FileNotFoundError(f"missing file: {single} (nor a sharded {index_path})")
+    check_tensor_dtypes(tensors, skipped=skipped, integer=integer)
+    return tensors
+
+
+def _read_shards(folder: str, index_path: str) -> TensorFiles:
+    """The shards `index_path` lists, each name checked to stay inside `folder`."""
+    index = read_json_file(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path}: no 'weight_map'")
+    paths = {tensor: shard_path(folder, index_path, tensor, entry)
+             for tensor, entry in weight_map.items()}
+    shards = {}
+    for path in sorted(set(paths.values())):
+        if not require_regular_file(path):
+            raise ValueError(f"{index_path} lists shard {os.path.relpath(path, folder)!r}, "
+                             f"but {path} is missing")
+        shards[path] = open_safetensors(path)
+    absent = sorted(n for n, path in paths.items() if n not in shards[path])
+    if absent:
+        raise ValueError(f"{index_path}: {len(absent)} tensor(s) not in the shard the index "
+                         f"names: {names_list(absent)}")
+    return TensorFiles(list(shards.values()))
 
 
 def _stored_shape(tensors: Mapping[str, np.ndarray], name: str) -> tuple[int, ...]:
@@ -232,6 +240,6 @@ def load_hf_checkpoint(folder: str, dtype=jnp.float32, *,
 
 def load_hf(folder: str, dtype=jnp.float32) -> tuple[Llama, dict, Tokenizer | None]:
     """(model, params, tokenizer) from a HF folder; tokenizer is None without tokenizer.json."""
+    tokenizer = Tokenizer.of_folder(folder)  # before any weight is read
     model, params = load_hf_checkpoint(folder, dtype)
-    has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
-    return model, params, Tokenizer.from_hf_folder(folder) if has_tokenizer else None
+    return model, params, tokenizer

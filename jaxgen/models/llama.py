@@ -47,9 +47,11 @@ from jaxgen.models import rope as rope_lib
 from jaxgen.models.config_checks import (
     FLOAT_LIMITS,
     INT_LIMITS,
+    check_activation,
     check_float,
     check_int,
     check_llama_numbers,
+    refuse_quantization,
 )
 from jaxgen.models.exit_adapter import apply_exit_adapter, exit_adapter_shapes
 from jaxgen.models.mtp import MtpLayers
@@ -139,10 +141,12 @@ class LlamaConfig:
         """Builds a config from a parsed HF `config.json` (and optional generation_config.json).
 
         Accepts both the transformers<5 keys (`rope_theta`, `rope_scaling`) and the
-        transformers>=5 `rope_parameters` dict. Raises ValueError for other architectures,
-        and, naming the config.json key and its allowed values, for a missing or malformed
-        number (every number is checked before it is used: config_checks.py). where: a
-        prefix for the messages (the file's path).
+        transformers>=5 `rope_parameters` dict. Raises ValueError for other architectures
+        (or a model_type contradicting them), and, naming the config.json key and its
+        allowed values, for a missing or malformed number (every number is checked before it
+        is used: config_checks.py) and for a field that changes the math but is not
+        implemented (hidden_act other than silu, partial_rotary_factor other than 1, a
+        quantization_config). where: a prefix for the messages (the file's path).
         """
         prefix = f"{where}: " if where else ""
         if not isinstance(config, dict):
@@ -151,13 +155,22 @@ class LlamaConfig:
         archs = config.get("architectures") or []
         if not isinstance(archs, list):
             raise ValueError(f"{prefix}architectures={archs!r}; allowed: a list of names")
-        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(config.get("model_type"))
+        model_type = config.get("model_type")
+        known_type = model_type if isinstance(model_type, str) else None
+        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(known_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"{prefix}unsupported architecture {arch!r} (model_type="
-                f"{config.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{model_type!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if model_type is not None and _ARCH_BY_MODEL_TYPE.get(known_type) != arch:
+            # transformers picks the model class by model_type: contradicting it is an error
+            allowed = [t for t, a in _ARCH_BY_MODEL_TYPE.items() if a == arch]
+            raise ValueError(f"{prefix}model_type={model_type!r} contradicts architectures="
+                             f"{archs!r}; allowed: {', '.join(map(repr, allowed))} or none")
         if config.get("mlp_bias"):
             raise ValueError(f"{prefix}{arch}: mlp_bias=True is not supported")
+        check_activation(config, where=where)
+        refuse_quantization(config, where)
         for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
             if not isinstance(config.get(key, False), bool):
                 raise ValueError(f"{prefix}{key}={config[key]!r}; allowed: true or false")
@@ -178,6 +191,8 @@ class LlamaConfig:
         rope_params = dict(rope_params)
         if legacy_scaling:
             rope_params.update(legacy_scaling)
+        _check_full_rotary(config, rope_params, where)
+        rope_params.pop("partial_rotary_factor", None)
         rope_theta = rope_params.pop("rope_theta", config.get("rope_theta", 10000.0))
         numbers["rope_theta"] = check_float("rope_theta", rope_theta,
                                             *FLOAT_LIMITS["rope_theta"], where)
@@ -251,6 +266,19 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+def _check_full_rotary(config: dict, rope_params: dict, where: str) -> None:
+    """ValueError unless `partial_rotary_factor` (top level, or in rope_parameters /
+    rope_scaling) is absent or 1: the Llama family rotates every head dimension."""
+    for key, source in (("partial_rotary_factor", config),
+                        ("rope_parameters.partial_rotary_factor", rope_params)):
+        factor = source.get("partial_rotary_factor")
+        if factor is not None and (not isinstance(factor, (int, float)) or isinstance(
+                factor, bool) or factor != 1):
+            prefix = f"{where}: " if where else ""
+            raise ValueError(f"{prefix}{key}={factor!r}; allowed: 1.0 (partial RoPE is not "
+                             f"implemented for the Llama family)")
 
 
 def _uniform_window(arch: str, config: dict, layers: int, where: str = "") -> int | None:

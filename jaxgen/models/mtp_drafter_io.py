@@ -20,8 +20,9 @@
                          head rows, rebuilt by mtp_drafter.drafter_with_draft_head)
 
 `jaxgen.models.load(folder)` dispatches here on the model_type. Loading is strict, like the
-model loaders: a missing or unexpected tensor, a wrong shape or a non-finite weight is a
-ValueError naming the file and the tensor.
+model loaders: a missing or unexpected tensor, a wrong shape or a tensor that is not
+floating point (both from the header, before any data is read), or a non-finite weight is a
+ValueError naming the file and the tensor; so is a config.json field of the wrong type.
 
 Example:
     >>> import os, tempfile, jax
@@ -47,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.checkpoint_checks import reject_unexpected, require_finite
+from jaxgen.models.checkpoint_files import read_json_file
 from jaxgen.models.hf_export import HF_LAYER_NAMES
 from jaxgen.models.mtp_drafter import (
     ARCHITECTURE,
@@ -56,7 +58,11 @@ from jaxgen.models.mtp_drafter import (
     MtpDrafterModel,
     param_shapes,
 )
-from jaxgen.models.safetensors_io import open_safetensors, write_safetensors
+from jaxgen.models.safetensors_io import (
+    check_tensor_dtypes,
+    open_safetensors,
+    write_safetensors,
+)
 
 __all__ = ["is_mtp_drafter_folder", "load_mtp_drafter", "mtp_config_dict", "save_mtp_drafter"]
 
@@ -103,19 +109,27 @@ def config_from_dict(data: dict, where: str = "config.json") -> MtpDrafterConfig
         if hf not in target:
             raise ValueError(f"{where}: missing 'target.{hf}'")
         fields[mine] = target[hf]
-    if not isinstance(target.get("kv_layers"), list):
+    if not _is_int_list(target.get("kv_layers")):
         raise ValueError(f"{where}: 'target.kv_layers' must be a list of target layer indices "
                          f"(one per drafter layer)")
     vocab = data.get("draft_vocab", [])
-    if not isinstance(vocab, list) or not all(isinstance(t, int) for t in vocab):
+    if not _is_int_list(vocab):
         raise ValueError(f"{where}: 'draft_vocab' must be a list of token ids")
+    q_norm = data.get("q_norm", False)
+    if not isinstance(q_norm, bool):
+        raise ValueError(f"{where}: q_norm={q_norm!r}; allowed: true or false")
     try:
         return MtpDrafterConfig(kv_layers=tuple(target["kv_layers"]),
-                                rms_norm_eps=data.get("rms_norm_eps", 1e-6),
-                                q_norm=bool(data.get("q_norm", False)),
+                                rms_norm_eps=data.get("rms_norm_eps", 1e-6), q_norm=q_norm,
                                 draft_vocab=tuple(vocab), **fields)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+def _is_int_list(value) -> bool:
+    """A JSON list of ints (true / false are not ints here)."""
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 def _tensor_names(config: MtpDrafterConfig) -> dict:
@@ -148,13 +162,9 @@ def save_mtp_drafter(model: MtpDrafterModel, params: dict, folder: str,
 
 def is_mtp_drafter_folder(folder: str) -> bool:
     """Whether `folder`'s config.json names an MTP drafter (model_type)."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        return False
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = read_json_file(os.path.join(folder, "config.json"), required=False)
+    except ValueError:  # the family loader reports it
         return False
     return isinstance(data, dict) and data.get("model_type") == MODEL_TYPE
 
@@ -162,22 +172,24 @@ def is_mtp_drafter_folder(folder: str) -> bool:
 def load_mtp_drafter(folder: str, dtype=jnp.float32) -> tuple[MtpDrafterModel, dict]:
     """(model, params) from a drafter folder, strictly checked (module docs)."""
     config_path = os.path.join(folder, "config.json")
-    with open(config_path, encoding="utf-8") as f:
-        data = json.load(f)
-    config = config_from_dict(data, config_path)
+    config = config_from_dict(read_json_file(config_path), config_path)
     path = os.path.join(folder, "model.safetensors")
     tensors = open_safetensors(path)
+    check_tensor_dtypes(tensors)
+    names = _tensor_names(config)
+    for name, transposed, shape in names.values():  # from the header: nothing read yet
+        stored = tuple(reversed(shape)) if transposed else tuple(shape)
+        if name not in tensors:
+            raise ValueError(f"{path}: missing tensor {name!r} (expected shape {stored})")
+        if tuple(tensors.shape(name)) != stored:
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensors.shape(name))}, "
+                             f"expected {stored} for this config")
+    used = {name for name, _, _ in names.values()}
+    reject_unexpected([n for n in tensors if n not in used], (), path)
     params: dict = {"layers": {}}
     per_layer: dict = {}
-    for key, (name, transposed, shape) in _tensor_names(config).items():
-        if name not in tensors:
-            raise ValueError(f"{path}: missing tensor {name!r} (expected shape "
-                             f"{tuple(reversed(shape)) if transposed else tuple(shape)})")
+    for key, (name, transposed, shape) in names.items():
         array = tensors[name]
-        stored = tuple(reversed(shape)) if transposed else tuple(shape)
-        if tuple(array.shape) != stored:
-            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, expected "
-                             f"{stored} for this config")
         require_finite(name, array, path)
         value = np.asarray(array, np.float32)
         value = value.T if transposed else value
@@ -188,8 +200,6 @@ def load_mtp_drafter(folder: str, dtype=jnp.float32) -> tuple[MtpDrafterModel, d
     for key, layers in per_layer.items():
         params["layers"][key] = jnp.asarray(np.stack([layers[n] for n in range(len(layers))]),
                                             dtype)
-    used = {name for name, _, _ in _tensor_names(config).values()}
-    reject_unexpected([n for n in tensors if n not in used], (), path)
     model = MtpDrafterModel(config)
     model.check_params(params)
     return model, params

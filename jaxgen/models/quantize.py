@@ -136,14 +136,27 @@ def quantize_params(config, params: dict, group: int | None = None) -> dict:
                 for key, value in p.items()}
 
     layers = params["layers"]
-    out = dict(params)
-    out["layers"] = [layer(p) for p in layers] if isinstance(layers, (list, tuple)) \
-        else layer(layers)
     head = params.get("lm_head")
     if head is None and config.tie_word_embeddings:
         head = params["embed"].T  # [D, V]
+    first = layers[0] if isinstance(layers, (list, tuple)) else layers
+    _check_group_divides({**{f"layers.{k}": first[k] for k in QUANTIZED_LAYER_KEYS
+                             if k in first}, "lm_head": head}, group)
+    out = dict(params)
+    out["layers"] = [layer(p) for p in layers] if isinstance(layers, (list, tuple)) \
+        else layer(layers)
     out["lm_head"] = quantize_matrix(head, group)
     return out
+
+
+def _check_group_divides(matrices: dict, group: int | None) -> None:
+    """A ValueError naming the first matrix (params name -> [..., K, N]) whose input size K
+    `group` does not divide, before anything is quantized."""
+    for name, matrix in matrices.items():
+        inputs = matrix.shape[-2]
+        if group is not None and inputs % group:
+            raise ValueError(f"group={group} must divide the matrix's input size: {name} has "
+                             f"{inputs} inputs (every quantized matrix needs whole groups)")
 
 
 def quantized_params(model, params: dict, weights: str, group: int | None = None) -> dict:

@@ -79,9 +79,10 @@ def load_gguf(path: str, dtype=jnp.float32, cache_dir: str | None = None
     if cache_dir is not None:
         return load_cached(path, dtype, cache_dir, load_gguf)
     reader = open_gguf(path)
-    model, params = gguf_model(reader, path, dtype)
     has_tokenizer = field(reader, "tokenizer.ggml.model") is not None
-    return model, params, gguf_tokenizer(reader, path) if has_tokenizer else None
+    tokenizer = gguf_tokenizer(reader, path) if has_tokenizer else None  # before the weights
+    model, params = gguf_model(reader, path, dtype)
+    return model, params, tokenizer
 
 
 def _load_gguf_blocks(name_or_path, dtype, cache_dir):
@@ -131,6 +132,8 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     Embedded models are cached per process (keyed by name and dtype); callers share the
     returned (immutable) arrays. cache_dir: GGUF models (embedded or a .gguf path) are kept
     converted there between processes (jaxgen.models.gguf_cache); None: read the file.
+    dtype: the weights' dtype, float32 or bfloat16 (LOAD_DTYPES; another one is a ValueError
+    before anything is read).
     weights: "float" (dtype), "int8" (weight-only int8 matrices, jaxgen/models/quantize.py) or
     "gguf" (a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks kept as integers, jaxgen/models/gguf_blocks.py).
     group: int8 scales per `group` consecutive inputs of each output channel (it must divide
@@ -141,6 +144,7 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     Before reading a weight, load announces their kind and files' size
     (jaxgen.notices.model_loads): on XLA:CPU the native kernels they may need build meanwhile.
     """
+    name_or_path, dtype = _checked_name(name_or_path), check_load_dtype(dtype)
     check_group(weights, group)
     announce_model_load(check_weights(weights), _weight_file_bytes(name_or_path))
     loaded = _load(name_or_path, dtype, cache_dir=cache_dir, weights=weights, group=group)
@@ -148,6 +152,39 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     if tokenizer is not None and hasattr(model, "vocab_size"):
         warn_if_model_vocab_larger(model.vocab_size, tokenizer, os.fspath(name_or_path))
     return loaded  # the same object the per-process cache of embedded models holds
+
+
+LOAD_DTYPES = ("float32", "bfloat16")  # the dtypes load() gives weights
+
+
+def check_load_dtype(dtype) -> jnp.dtype:
+    """`dtype` as a jnp dtype when it names one of LOAD_DTYPES (jnp.float32, np.float32 and
+    "float32" alike); a ValueError naming it and the allowed dtypes otherwise.
+
+    Example:
+        >>> check_load_dtype("bfloat16"), check_load_dtype(jnp.float32)
+        (dtype(bfloat16), dtype('float32'))
+        >>> check_load_dtype("int8")
+        Traceback (most recent call last):
+        ...
+        ValueError: dtype='int8' is not supported; allowed: float32, bfloat16
+    """
+    try:
+        name = None if isinstance(dtype, bool) else jnp.dtype(dtype).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in LOAD_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(LOAD_DTYPES)}")
+    return jnp.dtype(name)
+
+
+def _checked_name(name_or_path):
+    """`name_or_path` when it is a str or a str path-like; a TypeError naming it otherwise."""
+    if isinstance(name_or_path, (str, os.PathLike)) and isinstance(os.fspath(name_or_path), str):
+        return name_or_path
+    raise TypeError(f"name_or_path={name_or_path!r} is a {type(name_or_path).__name__}; "
+                    f"allowed: a str or os.PathLike (a known model name, a checkpoint folder "
+                    f"or a .gguf file)")
 
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin")

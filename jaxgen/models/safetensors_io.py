@@ -6,6 +6,10 @@ tensor only when it is indexed. bfloat16 tensors come back as `ml_dtypes.bfloat1
 (importing ml_dtypes, a jax dependency, registers that dtype with numpy), so bf16 checkpoints
 need no torch. Every malformed file raises ValueError naming its path.
 
+Tensor dtypes come from the header (`dtype(name)`): `check_tensor_dtypes` refuses, before any
+data is read, a tensor that is not a floating-point weight (FLOAT_DTYPES), e.g. an integer,
+bool or FP8 one; reading an FP8 tensor (numpy has no such dtype) is refused the same way.
+
 Example:
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -14,6 +18,11 @@ Example:
     >>> tensors = open_safetensors(path)
     >>> sorted(tensors), tensors["embed"].dtype, tensors["norm"].shape, tensors.shape("embed")
     (['embed', 'norm'], dtype(bfloat16), (4,), (3, 4))
+    >>> write_safetensors(path, {"ids": np.zeros(3, np.int8)})
+    >>> check_tensor_dtypes(open_safetensors(path))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: .../w.safetensors: tensor 'ids' is I8; allowed: F32, F16, BF16, F64 (...)
 """
 from __future__ import annotations
 
@@ -25,8 +34,22 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-__all__ = ["SafetensorsFile", "TensorFiles", "open_safetensors", "read_safetensors",
-           "write_safetensors"]
+__all__ = ["FLOAT_DTYPES", "INTEGER_DTYPES", "SafetensorsFile", "TensorFiles",
+           "check_tensor_dtypes", "open_safetensors", "read_safetensors", "write_safetensors"]
+
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # header dtypes a weight may have
+INTEGER_DTYPES = ("I64", "I32", "I16")  # header dtypes of the few index tensors loaders read
+# header dtypes numpy cannot hold (FP8 and smaller floats): refused when read
+_NO_NUMPY_DTYPE = ("F8_", "F6_", "F4", "E8M0")
+
+
+def _unsupported_dtype(path: str, name: str, dtype: str, allowed: tuple[str, ...]) -> str:
+    """The message refusing tensor `name` of `path`, stored as `dtype`."""
+    kind = "floating-point weights" if allowed == FLOAT_DTYPES else "integer indices"
+    if dtype.startswith(_NO_NUMPY_DTYPE):
+        return (f"{path}: tensor {name!r} is {dtype}: FP8 (and smaller) checkpoints are not "
+                f"supported, dequantize the weights first; allowed: {', '.join(allowed)}")
+    return f"{path}: tensor {name!r} is {dtype}; allowed: {', '.join(allowed)} ({kind})"
 
 
 class SafetensorsFile(Mapping):
@@ -35,6 +58,8 @@ class SafetensorsFile(Mapping):
     def __init__(self, path: str):
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
+            if os.path.exists(self.path):
+                raise ValueError(f"{self.path}: not a regular file; allowed: a safetensors file")
             raise FileNotFoundError(f"safetensors file not found: {self.path}")
         try:
             self._handle = safetensors.safe_open(self.path, framework="numpy")
@@ -48,6 +73,9 @@ class SafetensorsFile(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._name_set:
             raise KeyError(name)
+        dtype = self.dtype(name)
+        if dtype.startswith(_NO_NUMPY_DTYPE):
+            raise ValueError(_unsupported_dtype(self.path, name, dtype, FLOAT_DTYPES))
         try:
             return self._handle.get_tensor(name)
         except (safetensors.SafetensorError, TypeError) as err:  # TypeError: unknown dtype
@@ -62,6 +90,20 @@ class SafetensorsFile(Mapping):
             return tuple(self._handle.get_slice(name).get_shape())
         except safetensors.SafetensorError as err:
             raise ValueError(f"{self.path}: cannot read tensor {name!r} ({err})") from None
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype of tensor `name` as the header spells it ("F32", "BF16", "I8",
+        "F8_E4M3", ...; no data is read)."""
+        try:
+            return str(self._handle.get_slice(name).get_dtype())
+        except safetensors.SafetensorError as err:
+            raise ValueError(f"{self.path}: cannot read tensor {name!r} ({err})") from None
+
+    def path_of(self, name: str) -> str:
+        """The file holding tensor `name`: this one."""
+        if name not in self._name_set:
+            raise KeyError(name)
+        return self.path
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -99,6 +141,14 @@ class TensorFiles(Mapping):
         """The stored shape of tensor `name`, from its file's header (no data is read)."""
         return self._owner[name].shape(name)
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype of tensor `name`, from its file's header (no data is read)."""
+        return self._owner[name].dtype(name)
+
+    def path_of(self, name: str) -> str:
+        """The file holding tensor `name`."""
+        return self._owner[name].path
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._owner)
 
@@ -113,6 +163,21 @@ def open_safetensors(path: str) -> SafetensorsFile:
     truncated or corrupt one.
     """
     return SafetensorsFile(path)
+
+
+def check_tensor_dtypes(tensors: SafetensorsFile | TensorFiles, *,
+                        skipped: tuple[str, ...] = (), integer: tuple[str, ...] = ()) -> None:
+    """ValueError naming the file, the tensor and its dtype for the first tensor (from the
+    headers, before any data is read) that is not floating point (FLOAT_DTYPES). Names
+    starting with a `skipped` prefix (parts a loader does not read) are not checked; the
+    tensors named in `integer` must hold integers (INTEGER_DTYPES) instead."""
+    for name in tensors:
+        if skipped and name.startswith(skipped):
+            continue
+        allowed = INTEGER_DTYPES if name in integer else FLOAT_DTYPES
+        dtype = tensors.dtype(name)
+        if dtype not in allowed:
+            raise ValueError(_unsupported_dtype(tensors.path_of(name), name, dtype, allowed))
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ HF behaviours reproduced:
   (jaxgen/models/chat_template.py: ChatTemplateError).
 
 Example (a word-level vocabulary written to a temporary folder):
-    >>> import tempfile
+    >>> import json, tempfile
     >>> folder = tempfile.mkdtemp()
     >>> vocab = {"<s>": 0, "</s>": 1, "hi": 2, "there": 3, "<unk>": 4}
     >>> backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
@@ -35,26 +35,14 @@ Example (a word-level vocabulary written to a temporary folder):
 """
 from __future__ import annotations
 
-import json
 import os
-from typing import Any, Iterable
+from typing import Iterable
 
 import tokenizers
 from tokenizers import AddedToken, processors
 
 from jaxgen.models.chat_template import render
-
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                        "cls_token", "mask_token")
-
-
-def _token_content(value: Any) -> str | None:
-    """tokenizer_config values are strings or serialized AddedTokens ({"content": ...})."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return value.get("content")
-    return str(value)
+from jaxgen.models.tokenizer_files import read_tokenizer_files
 
 
 class Tokenizer:
@@ -85,36 +73,24 @@ class Tokenizer:
     @classmethod
     def from_hf_folder(cls, folder: str) -> "Tokenizer":
         """From `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`,
-        `special_tokens_map.json` when present)."""
+        `special_tokens_map.json` when present). A malformed side-file value is a ValueError
+        naming the file and the field (jaxgen/models/tokenizer_files.py)."""
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"missing file: {path}")
+        options = read_tokenizer_files(folder)  # every value checked (tokenizer_files.py)
         try:
             backend = tokenizers.Tokenizer.from_file(path)
         except Exception as err:
             raise ValueError(f"{path}: cannot parse tokenizer ({err})") from None
-        config = _read_optional_json(os.path.join(folder, "tokenizer_config.json"))
-        special_map = _read_optional_json(os.path.join(folder, "special_tokens_map.json"))
-        special = {}
-        for name in NAMED_SPECIAL_TOKENS:
-            special[name] = _token_content(config.get(name, special_map.get(name)))
-        extra = config.get("additional_special_tokens") or special_map.get(
-            "additional_special_tokens") or config.get("extra_special_tokens") or []
-        if isinstance(extra, dict):
-            extra = list(extra.values())
-        template = config.get("chat_template")
-        template_file = os.path.join(folder, "chat_template.jinja")
-        if os.path.isfile(template_file):
-            with open(template_file, encoding="utf-8") as f:
-                template = f.read()
-        if isinstance(template, list):  # named templates: use "default"
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default", next(iter(named.values()), None))
-        return cls(backend, special_tokens=special,
-                   additional_special_tokens=[_token_content(t) for t in extra],
-                   chat_template=template,
-                   clean_up_tokenization_spaces=bool(
-                       config.get("clean_up_tokenization_spaces", False)))
+        return cls(backend, **options)
+
+    @classmethod
+    def of_folder(cls, folder: str) -> "Tokenizer | None":
+        """The folder's tokenizer (`from_hf_folder`), None without tokenizer.json. The loaders
+        call it before they read a weight, so a malformed tokenizer file fails fast."""
+        has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer.json"))
+        return cls.from_hf_folder(folder) if has_tokenizer else None
 
     def _set_post_processor(self) -> None:
         bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
@@ -231,15 +207,4 @@ class Tokenizer:
         if not tokenize:
             return rendered
         return self.encode(rendered, add_special_tokens=False)
-
-
-def _read_optional_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: invalid JSON ({err})") from None
-
 

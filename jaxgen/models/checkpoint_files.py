@@ -1,0 +1,82 @@
+"""Reading a checkpoint folder's own files: its JSON files and the shard names its index lists.
+
+Trust: symlinks inside the folder are followed wherever they point (they are the folder
+owner's choice; the Hugging Face hub cache links `snapshots/<rev>/model.safetensors` to
+`../../blobs/<hash>`). Names read from the checkpoint's own JSON files (the shards of
+`model.safetensors.index.json`) must stay inside the folder: a plain relative path, without
+`..` and not absolute (`shard_path`). A JSON file that is not UTF-8, not JSON or nested too
+deeply, and a path that is not a regular file (a folder, a FIFO, a device), raise ValueError
+naming the path.
+
+Example:
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> index = os.path.join(folder, "model.safetensors.index.json")
+    >>> shard_path(folder, index, "w", "part-1.safetensors") == os.path.join(
+    ...     folder, "part-1.safetensors")
+    True
+    >>> shard_path(folder, "index.json", "w", "../x.safetensors")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: index.json: weight_map['w']='../x.safetensors' leaves the checkpoint folder; ...
+    >>> with open(os.path.join(folder, "config.json"), "w") as f:
+    ...     _ = f.write("[" * 100000)
+    >>> read_json_file(os.path.join(folder, "config.json"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: .../config.json: invalid JSON (nested too deeply)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["read_json_file", "require_regular_file", "shard_path"]
+
+
+def require_regular_file(path: str) -> bool:
+    """Whether `path` (symlinks followed) is a regular file: False when nothing is there,
+    ValueError naming it when something else is (a folder, a FIFO, a device)."""
+    if os.path.isfile(path):
+        return True
+    if os.path.exists(path):
+        raise ValueError(f"{path}: not a regular file; allowed: a file")
+    return False
+
+
+def read_json_file(path: str, required: bool = True):
+    """The parsed content of the JSON file `path` (any JSON value), or None when it is absent
+    and not `required` (FileNotFoundError when it is). ValueError naming the path for a
+    file that is not UTF-8, not JSON, nested too deeply, or not a regular file."""
+    if not require_regular_file(path):
+        if required:
+            raise FileNotFoundError(f"missing file: {path}")
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") \
+            from None
+    except RecursionError:
+        raise ValueError(f"{path}: invalid JSON (nested too deeply)") from None
+    except ValueError as err:  # JSONDecodeError, or an int longer than Python parses
+        raise ValueError(f"{path}: invalid JSON ({err})") from None
+
+
+def shard_path(folder: str, index_path: str, tensor: str, entry) -> str:
+    """The path of the shard the index `index_path` lists for `tensor` (`entry`: its
+    weight_map value), checked to stay inside `folder`: a non-empty relative path without a
+    `..` part. ValueError naming the index, the tensor and the entry otherwise."""
+    allowed = "allowed: a file name relative to the folder, without '..'"
+    where = f"{index_path}: weight_map[{tensor!r}]={entry!r}"
+    if not isinstance(entry, str):
+        raise ValueError(f"{where} is not a string ({type(entry).__name__}); {allowed}")
+    if not entry or "\x00" in entry:
+        raise ValueError(f"{where} is not a file name; {allowed}")
+    if os.path.isabs(entry) or ".." in entry.replace(os.sep, "/").split("/"):
+        raise ValueError(f"{where} leaves the checkpoint folder; {allowed}")
+    relative = os.path.normpath(entry)
+    if relative in (".", "") or relative.startswith(".."):
+        raise ValueError(f"{where} is not a file in the checkpoint folder; {allowed}")
+    return os.path.join(folder, relative)
