@@ -1,4 +1,5 @@
-"""Stub models honouring the model contract with exactly known logits (t5x-style tests)."""
+"""Stub models honouring the model contract with exactly known logits (t5x-style tests), and a
+stub tokenizer for the streamer tests."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,3 +50,20 @@ class BigramStub:
 def random_table(vocab: int, seed: int = 0, scale: float = 2.0) -> dict:
     rng = np.random.default_rng(seed)
     return {"table": jnp.asarray(rng.normal(size=(vocab, vocab)).astype(np.float32) * scale)}
+
+
+class LetterTokenizer:
+    """Token i decodes as the letter chr(97 + i); letters encode back modulo VOCAB (16 ids)."""
+
+    VOCAB = 16
+    eos_token_id = None
+    pad_token_id = None
+    chat_template = None
+
+    @staticmethod
+    def decode(ids, **_):
+        return "".join(chr(97 + int(i)) for i in ids)
+
+    @staticmethod
+    def encode(text, add_special_tokens=True):
+        return [(ord(c) - 97) % LetterTokenizer.VOCAB for c in text]

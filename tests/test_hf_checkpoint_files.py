@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgen.models import Llama, LlamaConfig, load, tiny_llama
+from jaxgen.models import Llama, LlamaConfig, load
 from jaxgen.models.deepseek_checkpoint import load_deepseek_v3_config
 from jaxgen.models.gemma4_assistant import load_gemma4_assistant
 from jaxgen.models.gemma4_checkpoint import read_config as read_gemma4_config
@@ -21,8 +21,7 @@ from jaxgen.models.gemma_checkpoint import load_gemma_config
 from jaxgen.models.glm4_checkpoint import load_glm4_moe_config
 from jaxgen.models.hf_checkpoint import load_hf_checkpoint, load_hf_config
 from jaxgen.models.hf_export import save_hf_checkpoint
-from jaxgen.models.mtp_drafter import MtpDrafterConfig, MtpDrafterModel
-from jaxgen.models.mtp_drafter_io import load_mtp_drafter, save_mtp_drafter
+from jaxgen.models.mtp_drafter_io import load_mtp_drafter
 from jaxgen.models.safetensors_io import SafetensorsFile, read_safetensors, write_safetensors
 
 SMALL = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
@@ -223,15 +222,6 @@ def test_cli_maps_a_refused_tensor_dtype_to_the_model_exit_status(folder):
 
 
 # ----------------------------------------------------------------------------- the MTP drafter
-@pytest.fixture
-def drafter_folder(tmp_path) -> str:
-    target, _ = tiny_llama()
-    drafter = MtpDrafterModel(MtpDrafterConfig.for_target(
-        target.config, hidden_size=8, intermediate_size=16, num_layers=1))
-    return save_mtp_drafter(drafter, drafter.init_params(jax.random.key(0)),
-                            str(tmp_path / "drafter"))
-
-
 def test_drafter_tensor_dtypes_and_shapes_are_checked_from_the_header(drafter_folder,
                                                                    forbid_reads):
     path = os.path.join(drafter_folder, "model.safetensors")

@@ -9,15 +9,13 @@ import os
 import jax
 import pytest
 
-from jaxgen.models import Llama, LlamaConfig, load, tiny_llama
+from jaxgen.models import Llama, LlamaConfig, load
 from jaxgen.models.deepseek_v3 import DeepseekV3Config
 from jaxgen.models.gemma import GemmaConfig
 from jaxgen.models.gemma4_checkpoint import gemma4_config
 from jaxgen.models.gemma_checkpoint import load_gemma_config
 from jaxgen.models.glm4_moe import Glm4MoeConfig
 from jaxgen.models.hf_export import save_hf_checkpoint
-from jaxgen.models.mtp_drafter import MtpDrafterConfig, MtpDrafterModel
-from jaxgen.models.mtp_drafter_io import save_mtp_drafter
 
 SMALL = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=4, rms_norm_eps=1e-5)
@@ -126,15 +124,6 @@ def test_deepseek_config_errors_raised_by_the_config_name_the_file():
 
 
 # ----------------------------------------------------------------------------- MTP drafter
-@pytest.fixture
-def drafter_folder(tmp_path) -> str:
-    target, _ = tiny_llama()
-    drafter = MtpDrafterModel(MtpDrafterConfig.for_target(
-        target.config, hidden_size=8, intermediate_size=16, num_layers=1))
-    return save_mtp_drafter(drafter, drafter.init_params(jax.random.key(0)),
-                            str(tmp_path / "drafter"))
-
-
 @pytest.mark.parametrize("field, value, message", [
     ("q_norm", "false", r"q_norm='false'; allowed: true or false"),
     ("q_norm", 0, r"q_norm=0; allowed: true or false"),

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from streamer_threads import consume_on_a_thread
-from stubs import BigramStub, random_table
+from stubs import BigramStub, LetterTokenizer, random_table
 
 import jaxgen
 from jaxgen.drivers.streamers import BaseStreamer, TextIteratorStreamer
@@ -15,22 +15,6 @@ from jaxgen.drivers.streamers import BaseStreamer, TextIteratorStreamer
 VOCAB = 16
 PROMPTS = [[1, 2, 3], [4, 5]]
 JOIN_S = 60
-
-
-class LetterTokenizer:
-    """Token i is the letter chr(97 + i)."""
-
-    eos_token_id = None
-    pad_token_id = None
-    chat_template = None
-
-    @staticmethod
-    def decode(ids, **_):
-        return "".join(chr(97 + int(i)) for i in ids)
-
-    @staticmethod
-    def encode(text, add_special_tokens=True):
-        return [(ord(c) - 97) % VOCAB for c in text]
 
 
 class Collect(BaseStreamer):

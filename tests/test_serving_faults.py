@@ -3,26 +3,18 @@ over a tiny Llama): a stream whose engine fails ends with an error event instead
 /health then says the engine failed, bodies past the limit get 413 and a prompt that cannot
 fit the context is refused before it is tokenized."""
 import json
-import socket
-import threading
-import time
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
+from serving_fixtures import running  # noqa: E402
 
 WAIT = 120  # seconds: a guard so a hanging server fails the test instead of hanging it
 MAX_LEN = 64
 MAX_BODY = 4096
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -36,18 +28,8 @@ def served():
                     slots=2,
                     max_len=MAX_LEN, chunk_size=4, constrained_engines=0,
                     max_body_bytes=MAX_BODY)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(WAIT)
+    with running(app) as url:
+        yield url, app
 
 
 def _break_engine_after(engine, chunks: int) -> None:

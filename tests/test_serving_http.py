@@ -5,8 +5,6 @@ same key; stop strings cut the text; schemas hold; errors are OpenAI's objects."
 import concurrent.futures
 import json
 import math
-import socket
-import threading
 import time
 
 import jax
@@ -18,18 +16,13 @@ import jaxgen
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
+from serving_fixtures import running  # noqa: E402
 
 WAIT = 300  # seconds: a bound so a broken server fails the test instead of hanging it
 MAX_LEN = 256
 EOS = 256  # tiny_tokenizer's "</s>"
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +36,8 @@ def served():
     app = build_app(model, params, tokenizer, model_name="tiny", slots=4, max_len=MAX_LEN,
                     chunk_size=4, max_waiting=64, max_top_logprobs=3, constrained_engines=1,
                     constrained_slots=2)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app, model, params, tokenizer
-    server.should_exit = True
-    thread.join(WAIT)
+    with running(app) as url:
+        yield url, app, model, params, tokenizer
     assert app.state.pool.closed  # the lifespan's shutdown closed the engines
 
 

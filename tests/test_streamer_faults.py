@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from streamer_threads import consume_on_a_thread
-from stubs import BigramStub, random_table
+from stubs import BigramStub, LetterTokenizer, random_table
 
 import jaxgen
 from jaxgen.drivers.streamers import AsyncTextIteratorStreamer, TextIteratorStreamer
@@ -23,22 +23,6 @@ from jaxgen.drivers.streamers import AsyncTextIteratorStreamer, TextIteratorStre
 VOCAB = 16
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 JOIN_S = 60
-
-
-class DigitTokenizer:
-    """Decodes token i as the letter chr(97 + i); encodes letters back (for generate_text)."""
-
-    eos_token_id = None
-    pad_token_id = None
-    chat_template = None
-
-    @staticmethod
-    def decode(ids, **_):
-        return "".join(chr(97 + int(i)) for i in ids)
-
-    @staticmethod
-    def encode(text, add_special_tokens=True):
-        return [(ord(c) - 97) % VOCAB for c in text]
 
 
 def consumers(streamers):
@@ -64,7 +48,7 @@ def stub():
 
 
 def streamers_for(rows):
-    return [TextIteratorStreamer(DigitTokenizer()) for _ in rows]  # no timeout
+    return [TextIteratorStreamer(LetterTokenizer()) for _ in rows]  # no timeout
 
 
 def test_stop_strings_without_tokenizer_end_every_row(stub):
@@ -122,7 +106,7 @@ def test_a_failing_row_streamer_does_not_strand_the_others(stub):
 
     cfg = jaxgen.GenerationConfig(max_new_tokens=12)
     state = jaxgen.init_state(model, PROMPTS, cfg, jax.random.key(0))
-    streamers = [Broken(DigitTokenizer())] + streamers_for(PROMPTS[1:])
+    streamers = [Broken(LetterTokenizer())] + streamers_for(PROMPTS[1:])
     threads, results = consumers(streamers)
     with pytest.raises(OSError, match="row 0"):
         jaxgen.generate(params, state, cfg, streamer=streamers, chunk_size=2)
@@ -144,7 +128,7 @@ def test_generate_text_ends_streamers_when_the_config_is_invalid(stub):
     streamers = streamers_for(PROMPTS)
     threads, results = consumers(streamers)
     with pytest.raises(ValueError):
-        jaxgen.generate_text(model, params, DigitTokenizer(), ["bcd", "ef", "ghij"],
+        jaxgen.generate_text(model, params, LetterTokenizer(), ["bcd", "ef", "ghij"],
                              max_new_tokens=4, do_sample=True, temperature=-1.0,
                              streamer=streamers)
     assert_all_failed_with(threads, results, ValueError)
@@ -155,7 +139,7 @@ def test_generate_text_ends_streamers_when_a_processor_raises(stub):
     streamers = streamers_for(PROMPTS)
     threads, results = consumers(streamers)
     with pytest.raises(ProcessorError):
-        jaxgen.generate_text(model, params, DigitTokenizer(), ["bcd", "ef", "ghij"],
+        jaxgen.generate_text(model, params, LetterTokenizer(), ["bcd", "ef", "ghij"],
                              max_new_tokens=4, streamer=streamers,
                              logits_processor=[raising_processor])
     assert_all_failed_with(threads, results, ProcessorError)
@@ -170,7 +154,7 @@ def test_success_still_ends_every_row(stub):
         thread.join(timeout=JOIN_S)
     assert not any(t.is_alive() for t in threads)
     for row, result in zip(rows, results):
-        assert result.get("ended") and "".join(result["parts"]) == DigitTokenizer.decode(row)
+        assert result.get("ended") and "".join(result["parts"]) == LetterTokenizer.decode(row)
 
 
 def test_async_consumer_raises_the_producer_error(stub):
@@ -178,7 +162,7 @@ def test_async_consumer_raises_the_producer_error(stub):
     cfg = jaxgen.GenerationConfig(max_new_tokens=6)
 
     async def run():
-        streamer = AsyncTextIteratorStreamer(DigitTokenizer())  # no timeout
+        streamer = AsyncTextIteratorStreamer(LetterTokenizer())  # no timeout
         state = jaxgen.init_state(model, [PROMPTS[0]], cfg, jax.random.key(0))
         loop = asyncio.get_running_loop()
         producer = loop.run_in_executor(None, lambda: jaxgen.generate(
@@ -200,7 +184,7 @@ def test_a_cancelled_generation_ends_the_streamers(stub):
     model, params = stub
     event = threading.Event()
     event.set()
-    streamers = [TextIteratorStreamer(DigitTokenizer(), stop_event=event) for _ in PROMPTS]
+    streamers = [TextIteratorStreamer(LetterTokenizer(), stop_event=event) for _ in PROMPTS]
     threads, results = consumers(streamers)
     out = jaxgen.generate(params, jaxgen.init_state(model, PROMPTS,
                                                     jaxgen.GenerationConfig(max_new_tokens=20),
