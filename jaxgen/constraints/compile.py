@@ -15,7 +15,10 @@ the byte alphabet, `<0xHH>` byte-fallback tokens as their byte, SentencePiece pi
 decoded in context); special tokens (BOS, EOS, chat markers) are never part of a pattern.
 EOS is allowed exactly at the pattern's final states (jaxgen.constraints.automaton).
 
-Compiled automata are cached per (tokenizer, vocabulary size, kind, pattern).
+Compiled automata are cached per (tokenizer, vocabulary size, kind, pattern), the
+CACHE_SIZE most recently used. Building is bounded: outlines-core runs in a child process
+killed past a time or memory bound (`index_build.py`), and an automaton whose device arrays
+would pass MAX_AUTOMATON_BYTES is refused; both raise `ConstraintTooComplex`.
 
 Example (the tiny byte-level tokenizer: "th" + "e" or the merged "the"):
     >>> from jaxgen.models import TINY_VOCAB, tiny_tokenizer
@@ -32,7 +35,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxgen.constraints.automaton import TokenAutomaton, from_arrays
+from jaxgen.constraints.automaton import TokenAutomaton, from_arrays, words_for
+from jaxgen.constraints.index_build import ConstraintTooComplex, build_index
 from jaxgen.stopping.strings import token_texts
 
 EXTRA = "outlines-core"  # the PyPI package that builds the automata
@@ -57,8 +61,15 @@ _SUBSCHEMAS = ("items", "additionalProperties")
 # final states are exactly those with a sentinel edge into the index's final state.
 SENTINEL = "\ufdd0"  # a Unicode noncharacter: no text token ends a pattern with it
 
+# (id(tokenizer), vocab size, kind, pattern) -> (tokenizer, CompiledConstraint), least
+# recently used first; a server compiles one per request schema, so at most CACHE_SIZE.
 _CACHE: dict = {}
-_VOCABULARIES: dict = {}
+CACHE_SIZE = 32
+_VOCABULARIES: dict = {}  # (id(tokenizer), vocab size) -> (tokenizer, (Vocabulary, eos))
+VOCABULARIES_SIZE = 4
+# The automaton's device arrays (the [S, V / 32] allowed-token bits and 8 bytes an edge) may
+# hold at most this many bytes: more is refused, naming the states and edges.
+MAX_AUTOMATON_BYTES = 512 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +197,7 @@ def _vocabulary(tokenizer, vocab_size: int):
     """outlines-core's Vocabulary of the tokenizer's text tokens (ids < vocab_size), cached
     per tokenizer object (a strong reference keeps its id from being reused)."""
     key = (id(tokenizer), vocab_size)
-    if key in _VOCABULARIES:
+    if key in _VOCABULARIES and _VOCABULARIES[key][0] is tokenizer:
         return _VOCABULARIES[key][1]
     outlines_core, _ = _outlines()
     texts, _ = token_texts(tokenizer)
@@ -204,6 +215,8 @@ def _vocabulary(tokenizer, vocab_size: int):
     by_bytes.setdefault(SENTINEL.encode("utf-8"), []).append(int(vocab_size))
     vocabulary = outlines_core.Vocabulary(eos, by_bytes)
     _VOCABULARIES[key] = (tokenizer, (vocabulary, eos))
+    while len(_VOCABULARIES) > VOCABULARIES_SIZE:  # the oldest goes
+        _VOCABULARIES.pop(next(iter(_VOCABULARIES)))
     return vocabulary, eos
 
 
@@ -226,7 +239,8 @@ def _live_states(sources: np.ndarray, targets: np.ndarray, finals: np.ndarray,
     return live
 
 
-def automaton_from_index(index, vocab_size: int, eos: int) -> tuple[TokenAutomaton, int, int]:
+def automaton_from_index(index, vocab_size: int, eos: int,
+                         kind: str = "regex") -> tuple[TokenAutomaton, int, int]:
     """(automaton, live states, edges) from the outlines-core Index of "(?:pattern)" +
     SENTINEL: states renumbered densely; final = a sentinel edge (token id vocab_size) into
     the index's final state; the sentinel and EOS edges dropped (EOS is allowed by the final
@@ -259,6 +273,12 @@ def automaton_from_index(index, vocab_size: int, eos: int) -> tuple[TokenAutomat
         raise ValueError("no token sequence of this tokenizer satisfies the pattern")
     keep = live[sources] & live[targets]
     sources, tokens, targets = sources[keep], tokens[keep], targets[keep]
+    needed = len(names) * words_for(vocab_size) * 4 + len(tokens) * 8
+    if needed > MAX_AUTOMATON_BYTES:
+        raise ConstraintTooComplex(
+            f"`{kind}`: its token automaton ({len(names)} states, {len(tokens)} edges) needs "
+            f"{needed:,} bytes, past the {MAX_AUTOMATON_BYTES:,} allowed; simplify the "
+            f"pattern")
     automaton = from_arrays(sources, tokens, targets, initial=dense[initial], finals=finals,
                             num_states=len(names), vocab_size=vocab_size)
     return automaton, int(live.sum()), int(len(tokens))
@@ -270,8 +290,9 @@ def compile_constraint(tokenizer, vocab_size: int, *, regex: str | None = None,
     """The token automaton of one constraint for `tokenizer` (ids < vocab_size), cached.
 
     ValueError (before anything compiles) for a missing tokenizer, a regex the compiler
-    cannot handle, an unsupported schema keyword or format, or a pattern no token sequence
-    can satisfy.
+    cannot handle, an unsupported schema keyword or format, a pattern no token sequence can
+    satisfy, or (ConstraintTooComplex) an automaton past the build's time or memory bound
+    (index_build.py) or past MAX_AUTOMATON_BYTES.
     """
     chosen = choose_pattern(regex, json_schema, choices)
     if chosen is None:
@@ -282,14 +303,17 @@ def compile_constraint(tokenizer, vocab_size: int, *, regex: str | None = None,
                          f"pass tokenizer= (generate_ids / generate_text)")
     pattern = pattern_regex(kind, value)
     key = (id(tokenizer), int(vocab_size), kind, pattern)
-    if key in _CACHE:
+    if key in _CACHE and _CACHE[key][0] is tokenizer:
+        _CACHE[key] = _CACHE.pop(key)  # most recently used: last
         return _CACHE[key][1]
     began = time.perf_counter()
     vocabulary, eos = _vocabulary(tokenizer, int(vocab_size))
-    outlines_core, _ = _outlines()
+    _outlines()  # the package is installed (the build runs it in a child process)
     try:
-        index = outlines_core.Index(f"(?:{pattern}){SENTINEL}", vocabulary)
-    except Exception as error:
+        index = build_index(f"(?:{pattern}){SENTINEL}", vocabulary, kind=kind)
+    except ConstraintTooComplex:
+        raise
+    except ValueError as error:
         message = str(error).split("\n")[0]
         if "incompatible" in message or "no transitions" in message.lower():
             raise ValueError(f"`{kind}`: no token sequence of this tokenizer satisfies the "
@@ -298,12 +322,16 @@ def compile_constraint(tokenizer, vocab_size: int, *, regex: str | None = None,
                          f"(supported: regular expressions without look-around or "
                          f"back-references)") from None
     try:
-        automaton, states, edges = automaton_from_index(index, int(vocab_size), eos)
+        automaton, states, edges = automaton_from_index(index, int(vocab_size), eos, kind)
+    except ConstraintTooComplex:
+        raise
     except ValueError as error:
         raise ValueError(f"`{kind}`: {error}") from None
     built = CompiledConstraint(automaton=automaton, kind=kind, regex=pattern, states=states,
                                edges=edges, build_s=time.perf_counter() - began)
     _CACHE[key] = (tokenizer, built)
+    while len(_CACHE) > CACHE_SIZE:  # the least recently used goes
+        _CACHE.pop(next(iter(_CACHE)))
     return built
 
 
