@@ -5,8 +5,8 @@ states), and a JSON schema's `pattern` or large `maxLength` / `maxItems` reach t
 builder, from a server's request too. The build runs in a child process
 (`index_worker.py`, outlines-core only) that is killed past `BUILD_SECONDS` and cannot
 allocate past `BUILD_BYTES`; either way the caller gets `ConstraintTooComplex`, a
-ValueError that names the constraint and the bound. The caller never waits longer and its
-own memory does not grow.
+ValueError that names the constraint and the bound. The caller's own memory does not grow,
+and builds run one at a time (a server's concurrent requests hold one child, not many).
 
 Example:
     >>> import outlines_core
@@ -21,10 +21,12 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 
 BUILD_SECONDS = 60.0  # a nested JSON schema on SmolLM2's 49k tokens builds in ~0.6 s
 BUILD_BYTES = 4 << 30  # the child's address space
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "index_worker.py")
+_ONE_AT_A_TIME = threading.Lock()
 
 
 class ConstraintTooComplex(ValueError):
@@ -39,6 +41,11 @@ def build_index(pattern: str, vocabulary, *, kind: str, seconds: float | None = 
     seconds = BUILD_SECONDS if seconds is None else seconds
     memory_bytes = BUILD_BYTES if memory_bytes is None else memory_bytes
     request = pickle.dumps((pattern, vocabulary))
+    with _ONE_AT_A_TIME:  # so concurrent requests hold one child's memory, not many
+        return _run_child(request, kind, seconds, memory_bytes)
+
+
+def _run_child(request: bytes, kind: str, seconds: float, memory_bytes: int):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # ours
     with subprocess.Popen([sys.executable, _WORKER, str(int(memory_bytes))], env=env,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -52,7 +59,8 @@ def build_index(pattern: str, vocabulary, *, kind: str, seconds: float | None = 
                 f"`{kind}`: its token automaton did not build within {seconds:g} s (the "
                 f"pattern's automaton grows too large: e.g. a repetition count or a "
                 f"'[ab]*a[ab]{{n}}'-like pattern; simplify it)") from None
-    status, value = pickle.loads(output) if output else ("memory", "")
+    # a child that died (an allocation past the cap aborts it) wrote nothing or a torn pickle
+    status, value = pickle.loads(output) if child.returncode == 0 else ("memory", "")
     if status == "index":
         return value
     if status == "memory":
