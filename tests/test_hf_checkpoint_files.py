@@ -270,3 +270,13 @@ def test_a_malformed_tokenizer_file_fails_before_any_weight_is_read(folder, forb
     forbid_reads()
     with pytest.raises(ValueError, match="tokenizer_config.json.*additional_special_tokens"):
         load(folder)
+
+
+def test_an_oversized_json_file_is_refused_unread(folder, monkeypatch):
+    from jaxgen.models import checkpoint_files
+
+    monkeypatch.setattr(checkpoint_files, "MAX_JSON_BYTES", 64)
+    path = os.path.join(folder, "config.json")
+    with pytest.raises(ValueError, match=rf"^{path}: [\d,]+ bytes, past the 64 a checkpoint's "
+                                         r"JSON file may hold"):
+        load(folder)

@@ -31,7 +31,9 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["read_json_file", "require_regular_file", "shard_path"]
+__all__ = ["MAX_JSON_BYTES", "read_json_file", "require_regular_file", "shard_path"]
+
+MAX_JSON_BYTES = 64 << 20  # a config / index / side file larger than this is refused unread
 
 
 def require_regular_file(path: str) -> bool:
@@ -47,11 +49,16 @@ def require_regular_file(path: str) -> bool:
 def read_json_file(path: str, required: bool = True):
     """The parsed content of the JSON file `path` (any JSON value), or None when it is absent
     and not `required` (FileNotFoundError when it is). ValueError naming the path for a
-    file that is not UTF-8, not JSON, nested too deeply, or not a regular file."""
+    file that is not UTF-8, not JSON, nested too deeply, larger than MAX_JSON_BYTES, or not a
+    regular file."""
     if not require_regular_file(path):
         if required:
             raise FileNotFoundError(f"missing file: {path}")
         return None
+    size = os.path.getsize(path)
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {size:,} bytes, past the {MAX_JSON_BYTES:,} a checkpoint's "
+                         f"JSON file may hold (configs and indexes are kilobytes)")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)

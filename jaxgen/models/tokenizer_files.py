@@ -30,9 +30,10 @@ Example:
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from jaxgen.models.checkpoint_files import MAX_JSON_BYTES, read_json_file
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
@@ -77,7 +78,12 @@ def read_tokenizer_files(folder: str) -> dict:
 
 
 def read_text(path: str) -> str:
-    """The UTF-8 text of `path`; ValueError naming it when the bytes are not UTF-8."""
+    """The UTF-8 text of `path`; ValueError naming it when the bytes are not UTF-8 or pass
+    MAX_JSON_BYTES."""
+    size = os.path.getsize(path)
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {size:,} bytes, past the {MAX_JSON_BYTES:,} a tokenizer "
+                         f"side file may hold")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -87,16 +93,11 @@ def read_text(path: str) -> str:
 
 def read_json_object(path: str) -> dict:
     """The JSON object in `path` ({} when there is no such file); ValueError naming the file
-    for bytes that are not UTF-8, text that is not JSON, or a value that is not an object."""
-    if not os.path.isfile(path):
+    for bytes that are not UTF-8, text that is not JSON, or a value that is not an object
+    (`checkpoint_files.read_json_file`)."""
+    value = read_json_file(path, required=False)
+    if value is None and not os.path.exists(path):
         return {}
-    text = read_text(path)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON ({err})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: invalid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: the top level is {_kind(value)}; allowed: a JSON object")
     return value
