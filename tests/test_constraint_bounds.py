@@ -37,15 +37,43 @@ def test_a_build_that_dies_for_memory_is_refused(monkeypatch, tmp_path):
     aborting.write_text("import os, sys\nsys.stdin.buffer.read()\nos.abort()\n")
     monkeypatch.setattr(index_build, "_WORKER", str(aborting))
     with pytest.raises(ConstraintTooComplex, match=r"`regex`: its token automaton needs more "
-                                                   r"than 4 GiB to build"):
+                                                   r"than 4 GiB or 60 s of CPU to build"):
         compile_constraint(tiny_tokenizer(), TINY_VOCAB, regex="(ab)+")
+
+
+def test_a_child_that_cannot_run_the_build_leaves_it_to_this_process(monkeypatch, tmp_path):
+    """No usable child (a frozen app's sys.executable, a package the child cannot import):
+    the Index is built here, as before, not refused as too complex."""
+    failing = tmp_path / "worker.py"
+    failing.write_text("import sys\nsys.exit(1)\n")
+    monkeypatch.setattr(index_build, "_WORKER", str(failing))
+    built = compile_constraint(tiny_tokenizer(), TINY_VOCAB, regex="(ab)+")
+    monkeypatch.setattr(index_build.sys, "executable", str(tmp_path / "no-such-python"))
+    assert compile_constraint(tiny_tokenizer(), TINY_VOCAB, regex="(ab)+c").states > 0
+    assert built.states > 0
+
+
+def test_a_refused_pattern_is_refused_again_without_a_build(monkeypatch):
+    monkeypatch.setattr(index_build, "BUILD_SECONDS", 3.0)
+    monkeypatch.setattr(index_build, "_REFUSED", {})
+    tok = tiny_tokenizer()
+    with pytest.raises(ConstraintTooComplex) as first:
+        compile_constraint(tok, TINY_VOCAB, regex=EXPLODING)
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a refused pattern started a build")
+
+    monkeypatch.setattr(index_build.subprocess, "Popen", no_child)
+    with pytest.raises(ConstraintTooComplex) as again:
+        compile_constraint(tok, TINY_VOCAB, regex=EXPLODING)
+    assert str(again.value) == str(first.value)
 
 
 def test_an_automaton_past_the_byte_bound_is_refused(monkeypatch):
     monkeypatch.setattr(constraint_compile, "MAX_AUTOMATON_BYTES", 1024)
     with pytest.raises(ConstraintTooComplex, match=r"`regex`: its token automaton \(\d+ "
-                                                   r"states, \d+ edges\) needs [\d,]+ bytes, past the "
-                                                   r"1,024 allowed"):
+                                                   r"states, \d+ edges\) needs [\d,]+ "
+                                                   r"bytes, past the 1,024 allowed"):
         compile_constraint(tiny_tokenizer(), TINY_VOCAB, regex="[ab]{1,40}")
 
 

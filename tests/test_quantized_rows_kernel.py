@@ -22,6 +22,7 @@ from jaxgen.backends.cpu.quantized_kernel_matrix import (
 )
 from jaxgen.backends.cpu.tuning import (
     INTEL_AVX512_STACKED_KERNEL_MAX_ROWS,
+    INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS,
     KERNEL_MAX_ROWS,
     STACKED_KERNEL_MAX_ROWS,
 )
@@ -159,7 +160,7 @@ def test_quantized_kernel_matrix_stands_for_its_weight_and_falls_back_past_the_b
     dense = matrix.dequantize()[2]  # [K, N]
     np.testing.assert_array_equal(np.asarray(own.dequantize()), np.asarray(dense))
     groups = {"int8": 1, "int8-groups": 4}.get(source, 2)  # of the 64 inputs
-    stacked_bound = stacked_max_rows()  # this host's (tuning.py)
+    stacked_bound = stacked_max_rows(stacked.codes_nk.dtype)  # this host's (tuning.py)
     for rows in (1, 2, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, stacked_bound, stacked_bound + 1):
         x = jax.random.normal(jax.random.key(rows), (rows, 1, 64))
         seen = rounded_rows(x, groups) if rows <= stacked_bound else x
@@ -273,10 +274,12 @@ def test_draft_vocab_reads_the_kernel_layout_head(tmp_path):
 
 
 def test_a_stacked_layers_row_bound_is_this_hosts():
-    """Intel AVX-512 hosts hand a quantized stack's layer to XLA sooner (tuning.py)."""
+    """Intel AVX-512 hosts hand a quantized stack's layer to XLA sooner (tuning.py), int8
+    codes sooner than 4-bit ones."""
     import platform
 
     cpuinfo = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
     intel_avx512 = "avx512f" in cpuinfo.split() and "GenuineIntel" in cpuinfo
-    assert stacked_max_rows() == (INTEL_AVX512_STACKED_KERNEL_MAX_ROWS if intel_avx512
-                                  else STACKED_KERNEL_MAX_ROWS)
+    want = ((INTEL_AVX512_STACKED_KERNEL_MAX_ROWS, INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS)
+            if intel_avx512 else (STACKED_KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS))
+    assert (stacked_max_rows(jnp.int8), stacked_max_rows(jnp.uint8)) == want

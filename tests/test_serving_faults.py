@@ -117,3 +117,37 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(served, monk
         assert counted.status_code == 400 and encoded == [MAX_LEN]
         assert f"you requested {MAX_LEN + 2} tokens ({MAX_LEN} in the prompt, 2 in the " \
                f"completion)" in counted.json()["error"]["message"]
+
+
+def test_a_failed_constrained_engine_keeps_the_pool_failed_after_its_eviction(monkeypatch):
+    """A failed engine looks idle, so a new schema may evict it: the pool's failure (what
+    /health reports) must not clear with it."""
+    from jaxgen import GenerationConfig
+    from jaxgen.models import TINY_VOCAB, tiny_llama, tiny_tokenizer
+    from jaxgen.serving import engine_pool
+
+    monkeypatch.setattr(engine_pool, "Engine", _IdleEngine)
+    model, _ = tiny_llama(vocab_size=TINY_VOCAB)
+    pool = engine_pool.EnginePool(model, None, tiny_tokenizer(), GenerationConfig(),
+                                  constrained_engines=1, slots=4)
+    first = {"type": "string", "maxLength": 3}
+    pool.submit(first, [1])
+    failed = pool._engines[next(iter(pool._engines))]
+    failed.failure = RuntimeError("simulated device failure")
+    pool.submit({"type": "integer"}, [1])  # evicts the failed (idle) engine
+    assert failed.closed and failed not in pool._engines.values()
+    assert isinstance(pool.failure, RuntimeError)
+
+
+class _IdleEngine:
+    """An Engine stand-in: accepts every request, runs none, can be marked failed."""
+
+    def __init__(self, *args, slots=4, **kwargs):
+        self.slots, self.running, self.waiting = slots, 0, 0
+        self.failure, self.closed = None, False
+
+    def submit(self, prompt_ids, **settings):
+        return None
+
+    def close(self):
+        self.closed = True

@@ -80,6 +80,12 @@ def test_the_character_bound_of_byte_level_and_byte_fallback_tokenizers():
     assert chars_per_token(Tokenizer(backend)) is None
     word_level = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
     assert chars_per_token(Tokenizer(word_level)) is None
+    # an added token that takes in the spaces around it stands for any number of characters
+    absorbing = tiny_tokenizer().backend
+    absorbing.add_special_tokens([tokenizers.AddedToken("<m>", lstrip=True)])
+    spaced = " " * 5000 + "<m>"
+    assert len(absorbing.encode(spaced).ids) == 1
+    assert chars_per_token(Tokenizer(absorbing)) is None
 
 
 @pytest.mark.parametrize("role,param,needle", [

@@ -90,7 +90,6 @@ DRAFTERS = (
 )
 
 
-
 @dataclasses.dataclass(frozen=True)
 class CustomLoop:
     """custom_generate(params, state, cfg[, logits_processor=, stopping_criteria=]) as the

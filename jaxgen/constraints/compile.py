@@ -198,6 +198,7 @@ def _vocabulary(tokenizer, vocab_size: int):
     per tokenizer object (a strong reference keeps its id from being reused)."""
     key = (id(tokenizer), vocab_size)
     if key in _VOCABULARIES and _VOCABULARIES[key][0] is tokenizer:
+        _VOCABULARIES[key] = _VOCABULARIES.pop(key)  # most recently used: last
         return _VOCABULARIES[key][1]
     outlines_core, _ = _outlines()
     texts, _ = token_texts(tokenizer)
@@ -215,7 +216,7 @@ def _vocabulary(tokenizer, vocab_size: int):
     by_bytes.setdefault(SENTINEL.encode("utf-8"), []).append(int(vocab_size))
     vocabulary = outlines_core.Vocabulary(eos, by_bytes)
     _VOCABULARIES[key] = (tokenizer, (vocabulary, eos))
-    while len(_VOCABULARIES) > VOCABULARIES_SIZE:  # the oldest goes
+    while len(_VOCABULARIES) > VOCABULARIES_SIZE:  # the least recently used goes
         _VOCABULARIES.pop(next(iter(_VOCABULARIES)))
     return vocabulary, eos
 

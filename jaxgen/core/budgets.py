@@ -21,6 +21,7 @@ Example:
 """
 from __future__ import annotations
 
+
 def budget_source(cfg) -> tuple[str, int]:
     """(field, value) of the config field that sets the budgets: max_new_tokens when set
     (max_length is then ignored, as in Hugging Face), else max_length."""

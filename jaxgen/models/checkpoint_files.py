@@ -81,9 +81,10 @@ def shard_path(folder: str, index_path: str, tensor: str, entry) -> str:
         raise ValueError(f"{where} is not a string ({type(entry).__name__}); {allowed}")
     if not entry or "\x00" in entry:
         raise ValueError(f"{where} is not a file name; {allowed}")
-    if os.path.isabs(entry) or ".." in entry.replace(os.sep, "/").split("/"):
+    if os.path.isabs(entry) or os.path.splitdrive(entry)[0] or ".." in entry.replace(
+            os.sep, "/").split("/"):
         raise ValueError(f"{where} leaves the checkpoint folder; {allowed}")
     relative = os.path.normpath(entry)
-    if relative in (".", "") or relative.startswith(".."):
+    if relative in (".", "") or relative.split(os.sep)[0] == "..":
         raise ValueError(f"{where} is not a file in the checkpoint folder; {allowed}")
     return os.path.join(folder, relative)

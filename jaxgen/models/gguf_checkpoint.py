@@ -303,4 +303,3 @@ def gguf_model(reader, path: str = "<gguf>", dtype=jnp.float32, *,
                       f" (block_count is {config.num_layers}; does the metadata match the "
                       f"tensors?)")
     return Llama(config), checked_params(params, expected, dtype, path)
-

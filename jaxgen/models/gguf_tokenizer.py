@@ -128,7 +128,6 @@ def _token_types(reader, count: int, path: str) -> list[int]:
     return types
 
 
-
 def load_gguf_tokenizer(path: str) -> Tokenizer:
     """Tokenizer from a GGUF file path."""
     return gguf_tokenizer(open_gguf(path), path)

@@ -711,4 +711,3 @@ def unstack_layers(model: Llama, params: dict) -> dict:
     per_layer = [jax.tree_util.tree_map(lambda array, i=i: jnp.array(array[i]), layers)
                  for i in range(count)]  # quantized matrices (Int8Matrix, ...) slice leafwise
     return dict(params, layers=per_layer)
-

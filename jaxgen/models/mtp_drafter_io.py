@@ -203,4 +203,3 @@ def load_mtp_drafter(folder: str, dtype=jnp.float32) -> tuple[MtpDrafterModel, d
     model = MtpDrafterModel(config)
     model.check_params(params)
     return model, params
-

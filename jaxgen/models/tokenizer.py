@@ -207,4 +207,3 @@ class Tokenizer:
         if not tokenize:
             return rendered
         return self.encode(rendered, add_special_tokens=False)
-

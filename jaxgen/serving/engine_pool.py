@@ -27,6 +27,7 @@ import json
 import threading
 
 from jaxgen.constraints.compile import compile_constraint
+from jaxgen.constraints.index_build import ConstraintBuildBusy
 from jaxgen.serving.engine import Engine
 
 
@@ -50,6 +51,7 @@ class EnginePool:
         self._engines: collections.OrderedDict = collections.OrderedDict()  # key -> Engine
         self._lock = threading.Lock()
         self.closed = False
+        self._failure: BaseException | None = None  # the first engine failure, kept for good
 
     def _engine(self, schema, built):
         """The engine of `schema` (under the lock): found, or made in an idle one's place."""
@@ -64,7 +66,9 @@ class EnginePool:
                 raise PoolBusy(f"all {self.limit} constrained engines (one per response "
                                f"schema) are busy; retry later or use a schema already in "
                                f"use")
-            self._engines.pop(idle[0]).close()
+            evicted = self._engines.pop(idle[0])
+            self._failure = self._failure or evicted.failure  # a failure outlives its engine
+            evicted.close()
         engine = Engine(self.model, self.params, self.cfg,
                         **{**self.options, "slots": self.constrained_slots},
                         constraint=built.automaton)
@@ -78,8 +82,11 @@ class EnginePool:
             if self.limit == 0:
                 raise ValueError("response_format schemas are turned off on this server "
                                  "(constrained_engines=0)")
-            built = compile_constraint(self.tokenizer, self.model.vocab_size,
-                                       json_schema=schema)  # cached; outside the lock
+            try:
+                built = compile_constraint(self.tokenizer, self.model.vocab_size,
+                                           json_schema=schema)  # cached; outside the lock
+            except ConstraintBuildBusy as busy:
+                raise PoolBusy(str(busy)) from None
         with self._lock:
             engine = self.main if schema is None else self._engine(schema, built)
             return engine.submit(prompt_ids, **settings)
@@ -87,10 +94,14 @@ class EnginePool:
     @property
     def failure(self) -> BaseException | None:
         """What ended an engine's thread (Engine.failure): the free-text engine's, else the
-        first failed constrained engine's; None while every engine runs."""
+        first failed constrained engine's; None while every engine runs. Once seen it stays
+        (an evicted failed engine does not turn the server healthy again)."""
         with self._lock:
-            engines = [self.main, *self._engines.values()]
-        return next((e.failure for e in engines if e.failure is not None), None)
+            if self._failure is None:
+                engines = [self.main, *self._engines.values()]
+                self._failure = next((e.failure for e in engines if e.failure is not None),
+                                     None)
+            return self._failure
 
     @property
     def running(self) -> int:

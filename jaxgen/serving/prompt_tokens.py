@@ -15,7 +15,9 @@ characters only when none of them is dropped or folded into a token that stands 
 unboundedly many, so the bound is given only for a BPE model that covers every byte (a
 byte-level pre-tokenizer, or byte fallback) behind pre-tokenizers that remove nothing and
 normalizers that map a character to one or more (Prepend, a one-character Replace, NFD,
-NFKD, Lowercase) or compose at most COMPOSED_CODE_POINTS code points into one (NFC, NFKC).
+NFKD, Lowercase) or compose at most COMPOSED_CODE_POINTS code points into one (NFC, NFKC),
+and without added tokens that take in the whitespace around them (lstrip / rstrip /
+single_word: one token for any run of spaces).
 Any other tokenizer gets None: its prompts are only counted by tokenizing them.
 
 Example (the tiny byte-level tokenizer: its longest token is "</s>"):
@@ -89,6 +91,14 @@ def _covers_every_byte(backend, pre_steps: list) -> bool:
         f"<0x{byte:02X}>" in vocab for byte in range(256))
 
 
+def _absorbs_spaces(backend) -> bool:
+    """Whether an added token takes in the whitespace around it (lstrip / rstrip /
+    single_word): one such token stands for any number of characters."""
+    added = getattr(backend, "get_added_tokens_decoder", dict)()
+    return any(getattr(token, "lstrip", False) or getattr(token, "rstrip", False)
+               or getattr(token, "single_word", False) for token in added.values())
+
+
 def chars_per_token(tokenizer) -> int | None:
     """The most characters of a prompt one token can stand for; None when the tokenizer gives
     no such bound (see the module's docstring)."""
@@ -101,7 +111,7 @@ def chars_per_token(tokenizer) -> int | None:
             or str(step.get("behavior", "")).lower() == "removed" for step in pre_steps):
         return None
     fold = _fold(backend.normalizer)
-    if fold is None or not _covers_every_byte(backend, pre_steps):
+    if fold is None or not _covers_every_byte(backend, pre_steps) or _absorbs_spaces(backend):
         return None
     longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)),
                   default=1)

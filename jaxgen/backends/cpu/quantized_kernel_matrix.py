@@ -5,7 +5,7 @@
 (load(weights="gguf"): Q8_0, Q4_0, Q4_1) transposed to the kernel's layout: codes [N, Kc],
 scales and offsets [N, G], one output row after another (the GGUF file's own order of a
 row's blocks). `x @ m` (x [..., K] float32) runs the kernel for 1 to KERNEL_MAX_ROWS rows
-(`quantized_rows.stacked_max_rows()` for a layer of a stack: this host's bound), reading the
+(`quantized_rows.stacked_max_rows` for a layer of a stack: this host's bound), reading the
 codes once, and otherwise XLA's product with the expanded float matrix (what the quantized
 matrices do everywhere). `jaxgen/backends/cpu/layer_split.for_decoding` wraps each quantized
 layer matrix and head this way when the kernel is available.
@@ -88,7 +88,8 @@ class QuantizedKernelMatrix:
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
         """x [..., K] @ self -> [..., N] in x's dtype."""
         rows = math.prod(x.shape[:-1])
-        bound = KERNEL_MAX_ROWS if self.layer is None else stacked_max_rows()
+        bound = (KERNEL_MAX_ROWS if self.layer is None
+                 else stacked_max_rows(self.codes_nk.dtype))
         if 1 <= rows <= bound and x.dtype == jnp.float32 and quantized_rows.available():
             return quantized_product(x, self.codes_nk, self.scale_nk, self.offset_nk,
                                      self.code_offset, self.layer)  # [..., N]

@@ -6,7 +6,11 @@ Example:
     True
     >>> KERNEL_MAX_ROWS >= INTEL_AVX512_KERNEL_MAX_ROWS > ROWWISE_MAX_ROWS
     True
-    >>> STACKED_KERNEL_MAX_ROWS > INTEL_AVX512_STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS
+    >>> STACKED_KERNEL_MAX_ROWS > INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS
+    True
+    >>> INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS > INTEL_AVX512_STACKED_KERNEL_MAX_ROWS
+    True
+    >>> INTEL_AVX512_STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS
     True
 """
 from __future__ import annotations
@@ -25,10 +29,12 @@ INTEL_AVX512_KERNEL_MAX_ROWS = 16
 STACKED_KERNEL_MAX_ROWS = 192
 # ... for a layer of a quantized stack on Intel AVX-512 hosts (`quantized_rows.stacked_max_rows`),
 # where XLA's product with the expanded layer overtakes the quantized kernel sooner (SmolLM2
-# forwards of S rows with the cache carried, kernel against XLA: int8 64 rows 202 vs 211 ms,
-# 80 rows 243 vs 225; GGUF Q4_1 80 rows 244 vs 258, 96 rows 270 vs 271, 128 rows 347 vs 300;
-# at 192 rows XLA's was 1.3-1.4x faster).
-INTEL_AVX512_STACKED_KERNEL_MAX_ROWS = 80
+# forwards of S rows with the cache carried, kernel against XLA,
+# benchmarks/bench_quantized_rows.py: int8 64 rows 202 vs 211 ms, 80 rows 243 vs 225; GGUF
+# Q4_1 96 rows 270 vs 271, 128 rows 347 vs 300; at 192 rows XLA's was 1.3-1.4x faster):
+# int8 codes, and 4-bit codes (two a byte).
+INTEL_AVX512_STACKED_KERNEL_MAX_ROWS = 64
+INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS = 96
 # Row by row (rowwise.py): up to this many rows run one matrix-vector product each (8 rows: no
 # gain).
 ROWWISE_MAX_ROWS = 4
@@ -42,5 +48,6 @@ SPLIT_MIN_BYTES = 16 << 20
 HEAD_BY_VOCAB_MIN_ROWS = 3
 
 __all__ = ["HEAD_BY_VOCAB_MIN_ROWS", "INTEL_AVX512_KERNEL_MAX_ROWS",
-           "INTEL_AVX512_STACKED_KERNEL_MAX_ROWS", "KERNEL_MAX_ROWS", "ROWWISE_MAX_ROWS",
+           "INTEL_AVX512_STACKED_KERNEL_MAX_ROWS", "INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS",
+           "KERNEL_MAX_ROWS", "ROWWISE_MAX_ROWS",
            "SPLIT_MIN_BYTES", "STACKED_KERNEL_MAX_ROWS"]
