@@ -278,5 +278,5 @@ def test_an_oversized_json_file_is_refused_unread(folder, monkeypatch):
     monkeypatch.setattr(checkpoint_files, "MAX_JSON_BYTES", 64)
     path = os.path.join(folder, "config.json")
     with pytest.raises(ValueError, match=rf"^{path}: [\d,]+ bytes, past the 64 a checkpoint's "
-                                         r"JSON file may hold"):
+                                         r"JSON or text file may hold"):
         load(folder)

@@ -31,7 +31,8 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["MAX_JSON_BYTES", "read_json_file", "require_regular_file", "shard_path"]
+__all__ = ["MAX_JSON_BYTES", "read_json_file", "read_text", "require_regular_file",
+           "shard_path"]
 
 MAX_JSON_BYTES = 64 << 20  # a config / index / side file larger than this is refused unread
 
@@ -55,20 +56,28 @@ def read_json_file(path: str, required: bool = True):
         if required:
             raise FileNotFoundError(f"missing file: {path}")
         return None
-    size = os.path.getsize(path)
-    if size > MAX_JSON_BYTES:
-        raise ValueError(f"{path}: {size:,} bytes, past the {MAX_JSON_BYTES:,} a checkpoint's "
-                         f"JSON file may hold (configs and indexes are kilobytes)")
+    text = read_text(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") \
-            from None
+        return json.loads(text)
     except RecursionError:
         raise ValueError(f"{path}: invalid JSON (nested too deeply)") from None
     except ValueError as err:  # JSONDecodeError, or an int longer than Python parses
         raise ValueError(f"{path}: invalid JSON ({err})") from None
+
+
+def read_text(path: str) -> str:
+    """The UTF-8 text of the file `path`; ValueError naming it when it holds more than
+    MAX_JSON_BYTES or bytes that are not UTF-8."""
+    size = os.path.getsize(path)
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {size:,} bytes, past the {MAX_JSON_BYTES:,} a checkpoint's "
+                         f"JSON or text file may hold (configs and indexes are kilobytes)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") \
+            from None
 
 
 def shard_path(folder: str, index_path: str, tensor: str, entry) -> str:

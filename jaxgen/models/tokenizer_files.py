@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jaxgen.models.checkpoint_files import MAX_JSON_BYTES, read_json_file
+from jaxgen.models.checkpoint_files import read_json_file, read_text
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
@@ -75,20 +75,6 @@ def read_tokenizer_files(folder: str) -> dict:
                          f"allowed: true, false or null")
     return dict(special_tokens=special, additional_special_tokens=extra,
                 chat_template=template, clean_up_tokenization_spaces=bool(clean_up))
-
-
-def read_text(path: str) -> str:
-    """The UTF-8 text of `path`; ValueError naming it when the bytes are not UTF-8 or pass
-    MAX_JSON_BYTES."""
-    size = os.path.getsize(path)
-    if size > MAX_JSON_BYTES:
-        raise ValueError(f"{path}: {size:,} bytes, past the {MAX_JSON_BYTES:,} a tokenizer "
-                         f"side file may hold")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err})") from None
 
 
 def read_json_object(path: str) -> dict:
