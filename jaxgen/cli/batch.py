@@ -234,18 +234,6 @@ def _encoded(records, done: np.ndarray, tokenizer, rules, path: str, group: int)
         yield from zip(waiting, encode_batch(tokenizer, waiting, rules, path))
 
 
-def _slot_length(longest_prompt: int, max_new_tokens: int, model) -> int:
-    """Each slot's buffer: the longest prompt's bucket plus the budget's bucket (what a
-    fixed batch holding that prompt would have), at most the model's positions (every
-    record was checked against them; the engine refuses a longer buffer)."""
-    from jaxgen.core.context import model_positions
-    from jaxgen.core.state import new_token_bucket, prompt_bucket
-
-    length = prompt_bucket(max(longest_prompt, 1)) + new_token_bucket(max_new_tokens)
-    positions = model_positions(model)
-    return length if positions is None else min(length, positions)
-
-
 def _completion(handle):
     """The handle's Completion; the engine thread's own error raised as it is (one line)."""
     from jaxgen.serving import EngineError
@@ -267,6 +255,7 @@ def _generate_batches(args, source, index, done, sink, model, params, tokenizer,
 
     from jaxgen import stopping
     from jaxgen.serving import Engine, EngineError
+    from jaxgen.serving.admission import slot_length
 
     invalid = stopping.STOP_REASONS[stopping.INVALID_LOGITS]
     total, already = len(index), int(done.sum())
@@ -276,7 +265,7 @@ def _generate_batches(args, source, index, done, sink, model, params, tokenizer,
     window = WINDOW_PER_SLOT * slots  # records in flight: submitted, not yet written
     try:
         engine = Engine(model, params, cfg, slots=slots,
-                        max_len=_slot_length(longest, int(args.max_new_tokens), model),
+                        max_len=slot_length(model, longest, int(args.max_new_tokens)),
                         chunk_size=CHUNK_STEPS, max_waiting=window, layout=layout)
     except ValueError as error:
         raise CliError(f"batch mode: {error}", EXIT_USAGE) from None

@@ -325,26 +325,35 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def check_fits_memory(model, cfg: GenerationConfig, batch: int, buffer_len: int, bucket: int,
-                      dtype, cache=None) -> None:
-    """Raises ValueError before anything is allocated when the token buffer and the KV cache
-    of this call alone would exceed the device's memory (shapes only: no allocation).
+def memory_shortfall(model, cfg: GenerationConfig, batch: int, buffer_len: int, bucket: int,
+                     dtype, cache=None) -> str | None:
+    """What the token buffer and the KV cache of `batch` rows x `buffer_len` positions need
+    beyond the device's memory, in words ("the KV cache and token buffer for ... need X GiB,
+    more than the device's Y GiB"), or None when they fit (shapes only: no allocation).
     cache: optionally the cache's shapes already computed, each leaf with the `sharding` it
     will get (jax.ShapeDtypeStruct): then the bytes are those of one device's shard."""
     limit = available_memory_bytes()
     if limit is None:
-        return
+        return None
     if cache is None:
         cache = jax.eval_shape(lambda: init_cache_for(model, cfg, batch, buffer_len, bucket,
                                                       dtype))
     needed = sum(_shard_nbytes(leaf) for leaf in jax.tree_util.tree_leaves(cache)) \
         + batch * buffer_len * 4
-    if needed > limit:
-        raise ValueError(f"the KV cache and token buffer for {batch} row(s) x {buffer_len} "
-                         f"positions need {needed / 2**30:.1f} GiB, more than the device's "
-                         f"{limit / 2**30:.1f} GiB: lower max_new_tokens / max_length / "
-                         f"max_cache_len or the batch, or use cache_implementation="
-                         f"'dynamic' / 'quantized'")
+    if needed <= limit:
+        return None
+    return (f"the KV cache and token buffer for {batch} row(s) x {buffer_len} positions need "
+            f"{needed / 2**30:.1f} GiB, more than the device's {limit / 2**30:.1f} GiB")
+
+
+def check_fits_memory(model, cfg: GenerationConfig, batch: int, buffer_len: int, bucket: int,
+                      dtype, cache=None) -> None:
+    """Raises ValueError before anything is allocated when the token buffer and the KV cache
+    of this call alone would exceed the device's memory (`memory_shortfall`)."""
+    shortfall = memory_shortfall(model, cfg, batch, buffer_len, bucket, dtype, cache)
+    if shortfall is not None:
+        raise ValueError(f"{shortfall}: lower max_new_tokens / max_length / max_cache_len or "
+                         f"the batch, or use cache_implementation='dynamic' / 'quantized'")
 
 
 def _check_host_buffer_fits(batch: int, buffer_len: int) -> None:

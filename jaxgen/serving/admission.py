@@ -39,9 +39,11 @@ from jaxgen.core.context import model_positions
 from jaxgen.core.state import (
     MIN_PROMPT_BUCKET,
     DecodeState,
-    check_fits_memory,
     init_cache_for,
+    memory_shortfall,
+    new_token_bucket,
     program_state,
+    prompt_bucket,
     resolve_pad_id,
     row_keys,
 )
@@ -67,12 +69,20 @@ def check_slots_fit(model, cfg: GenerationConfig, slots: int, max_len: int,
         raise ValueError(f"jaxgen.serving.Engine: `max_len`={max_len} is past the model's "
                          f"{positions} positions (max_position_embeddings); allowed: "
                          f"2..{positions}")
-    try:
-        check_fits_memory(model, cfg, slots, max_len, MIN_PROMPT_BUCKET, dtype)
-    except ValueError as error:  # its advice names generate's settings: the engine's here
-        need = str(error).split(": lower ")[0]
+    shortfall = memory_shortfall(model, cfg, slots, max_len, MIN_PROMPT_BUCKET, dtype)
+    if shortfall is not None:
         raise ValueError(f"jaxgen.serving.Engine: `slots`={slots} x `max_len`={max_len} do "
-                         f"not fit: {need}; lower slots or max_len") from None
+                         f"not fit: {shortfall}; lower slots or max_len")
+
+
+def slot_length(model, longest_prompt: int, max_new_tokens: int) -> int:
+    """A slot buffer for prompts of up to `longest_prompt` tokens and budgets of up to
+    `max_new_tokens`: the prompt's bucket plus the budget's (what a fixed batch holding that
+    prompt would have), at most the model's positions (each request is checked against
+    them) and at least 2."""
+    length = prompt_bucket(max(longest_prompt, 1)) + new_token_bucket(max_new_tokens)
+    positions = model_positions(model)  # the buckets' padding never passes them
+    return length if positions is None else max(min(length, positions), 2)
 
 
 def empty_slots(model, cfg: GenerationConfig, slots: int, max_len: int,

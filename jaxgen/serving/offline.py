@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from jaxgen.api.generate import default_config
 from jaxgen.config.generation import GenerationConfig
-from jaxgen.core.context import model_positions
-from jaxgen.core.state import new_token_bucket, prompt_bucket
+from jaxgen.serving.admission import slot_length
 from jaxgen.serving.engine import Engine
 
 
@@ -39,11 +38,8 @@ def generate_batch(model, params, prompts, cfg: GenerationConfig | None = None, 
                          f"prompts; pass one per prompt")
     cfg = default_config(model, cfg, **overrides)
     if max_len is None:
-        longest = max(len(p) for p in prompts)
         budget = cfg.max_new_tokens or max(int(cfg.max_length) - 1, 1)
-        max_len = prompt_bucket(longest) + new_token_bucket(int(budget))
-        positions = model_positions(model)  # the buckets' padding never passes them
-        max_len = max_len if positions is None else max(min(max_len, positions), 2)
+        max_len = slot_length(model, max(len(p) for p in prompts), int(budget))
     engine = Engine(model, params, cfg, slots=slots, max_len=max_len, chunk_size=chunk_size,
                     max_waiting=len(prompts), layout=layout)
     try:
