@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from jaxgen.config import generation as C
+from jaxgen.api.generate import default_config
 from jaxgen.config.generation import GenerationConfig
+from jaxgen.models import Llama, LlamaConfig
+from jaxgen.models.rope import freeze
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,6 +118,25 @@ def test_generation_config_json_written_by_transformers_loads(tmp_path):
         '{"assistant_lookbehind": 0, "transformers_version": "5.0.0"}')
     with pytest.raises(ValueError, match="assistant_lookbehind"):
         GenerationConfig.from_pretrained(tmp_path)
+
+
+def test_a_bad_generation_config_json_value_names_the_file(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": -1}')
+    with pytest.raises(ValueError, match=r"generation_config\.json: `max_new_tokens` must be"):
+        GenerationConfig.from_pretrained(tmp_path)
+    assert GenerationConfig.from_pretrained(tmp_path, max_new_tokens=4).max_new_tokens == 4
+    with pytest.raises(ValueError, match=r"^`top_k` must be"):  # the caller's own value
+        GenerationConfig.from_pretrained(tmp_path, max_new_tokens=4, top_k=-2)
+    # a loaded model's defaults: named when generate resolves them, overridable by the call
+    model = Llama(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1,
+                              num_heads=2, num_kv_heads=1, head_dim=8,
+                              generation_defaults=freeze({"temperature": "hot"})))
+    with pytest.raises(ValueError, match=r"^the model's generation_config\.json .*: "
+                                         r"`temperature` must be a float"):
+        default_config(model)
+    assert default_config(model, temperature=0.5).temperature == 0.5
+    with pytest.raises(ValueError, match=r"^`top_p` must be"):
+        default_config(model, temperature=0.5, top_p=7.0)
 
 
 # ------------------------------------------------------- max_cache_len / prefill chunks

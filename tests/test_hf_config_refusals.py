@@ -123,6 +123,35 @@ def test_deepseek_config_errors_raised_by_the_config_name_the_file():
                                       where="x/config.json")
 
 
+# ------------------------------------------------------------------ generation_config.json
+SMALL_HF = dict(architectures=["LlamaForCausalLM"], vocab_size=40, hidden_size=16,
+                intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=4)
+FAMILIES = {  # (config.json changes, generation_config.json) -> the family's config
+    "llama": lambda c, g: LlamaConfig.from_hf_dict({**SMALL_HF, **c}, g, where="m/config.json"),
+    "glm": lambda c, g: Glm4MoeConfig.from_hf_dict({**GLM, **c}, g, where="m/config.json"),
+    "gemma2": lambda c, g: GemmaConfig.from_hf_dict({**GEMMA2, **c}, g, where="m/config.json"),
+    "gemma4": lambda c, g: gemma4_config({**GEMMA4, **c}, g, where="m/config.json"),
+    "deepseek": lambda c, g: DeepseekV3Config.from_hf_dict({**DEEPSEEK, **c}, g,
+                                                           where="m/config.json"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("field, value", [("eos_token_id", 999), ("eos_token_id", [1, -3]),
+                                          ("bos_token_id", 1.5), ("pad_token_id", "0")])
+def test_special_ids_from_generation_config_are_checked_and_named(family, field, value):
+    build = FAMILIES[family]
+    config = build({field: 1}, {})  # config.json's own id is fine
+    assert getattr(config, field) == ((1,) if field == "eos_token_id" else 1)
+    assert getattr(build({}, {field: 3}), field) == ((3,) if field == "eos_token_id" else 3)
+    with pytest.raises(ValueError, match=rf"^m/config\.json: generation_config\.json's "
+                                         rf"{field}=.*outside the vocabulary; allowed: token ids"):
+        build({field: 1}, {field: value})  # generation_config.json's wins, as in HF
+    with pytest.raises(ValueError, match=rf"^m/config\.json: {field}=.*outside the vocabulary"):
+        build({field: value}, {})
+
+
 # ----------------------------------------------------------------------------- MTP drafter
 @pytest.mark.parametrize("field, value, message", [
     ("q_norm", "false", r"q_norm='false'; allowed: true or false"),

@@ -337,7 +337,16 @@ class GenerationConfig:
                 data = json.load(handle)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path} is not valid JSON: {error}") from None
-        return cls.from_dict(data, **overrides)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds a {type(data).__name__}, expected an object")
+        try:
+            return cls.from_dict(data, **overrides)
+        except ValueError as error:
+            try:  # the file's own fields are at fault: name it
+                cls.from_dict({k: v for k, v in data.items() if k not in overrides})
+            except ValueError:
+                raise ValueError(f"{path}: {error}") from None
+            raise
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in HF_DEFAULTS}

@@ -124,6 +124,40 @@ def check_llama_numbers(values: Mapping, names: Mapping[str, str] | None = None,
                                  f"{shown('vocab_size')}={vocab})")
 
 
+def generation_fields(generation_config: Mapping | None) -> dict:
+    """generation_config.json's fields without transformers' bookkeeping keys (the model's
+    generation defaults)."""
+    fields = dict(generation_config or {})
+    for key in ("transformers_version", "_from_model_config"):
+        fields.pop(key, None)
+    return fields
+
+
+def special_token_ids(config: Mapping, generation: Mapping,
+                      defaults: Mapping | None = None) -> tuple[dict, dict]:
+    """(ids, names): the bos / eos / pad token ids (eos as a tuple), each generation_config.json's
+    where it sets one (as HF resolves them), else config.json's, else `defaults`'; names: the
+    names `check_llama_numbers` shows for the ids generation_config.json set.
+
+    Example:
+        >>> ids, names = special_token_ids({"bos_token_id": 1, "eos_token_id": 2},
+        ...                                {"eos_token_id": [2, 7]})
+        >>> ids
+        {'bos_token_id': 1, 'eos_token_id': (2, 7), 'pad_token_id': None}
+        >>> names
+        {'eos_token_id': "generation_config.json's eos_token_id"}
+    """
+    defaults = defaults or {}
+    ids = {field: generation[field] if field in generation
+           else config.get(field, defaults.get(field)) for field in TOKEN_ID_FIELDS}
+    eos = ids["eos_token_id"]
+    ids["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) \
+        else (eos,)
+    names = {field: f"generation_config.json's {field}" for field in TOKEN_ID_FIELDS
+             if field in generation}
+    return ids, names
+
+
 def check_activation(config: Mapping, allowed: tuple[str, ...] = ("silu",),
                      where: str = "", key: str = "hidden_act") -> None:
     """ValueError naming config.json's `key` unless it is absent or one of `allowed` (the
@@ -231,5 +265,6 @@ def check_tensor_shapes(expected: Mapping[str, tuple], actual: Mapping[str, tupl
 
 
 __all__ = ["FLOAT_LIMITS", "INT_LIMITS", "check_activation", "check_float", "check_int",
-           "check_layer_count", "check_llama_numbers", "check_tensor_shapes", "is_int",
-           "refuse_quantization", "shape_origin"]
+           "check_layer_count", "check_llama_numbers", "check_tensor_shapes",
+           "generation_fields", "is_int", "refuse_quantization", "shape_origin",
+           "special_token_ids"]

@@ -58,7 +58,9 @@ from jaxgen.models.config_checks import (
     check_float,
     check_int,
     check_llama_numbers,
+    generation_fields,
     refuse_quantization,
+    special_token_ids,
 )
 from jaxgen.models.deepseek_mtp import DeepseekMtpLayers, mtp_param_shapes
 from jaxgen.models.llama import ModelOutput, freeze
@@ -212,15 +214,10 @@ class DeepseekV3Config:
         if config.get("pretraining_tp", 1) not in (1, None):
             raise ValueError(f"{prefix}pretraining_tp={config['pretraining_tp']!r}; allowed: 1")
         numbers["rope_theta"], scaling = _hf_rope(config, where)
-        gen = dict(generation_config or {})
-        for key in ("transformers_version", "_from_model_config"):
-            gen.pop(key, None)
-        ids = dict(bos_token_id=gen.get("bos_token_id", config.get("bos_token_id")),
-                   eos_token_id=_as_id_tuple(gen.get("eos_token_id",
-                                                     config.get("eos_token_id"))),
-                   pad_token_id=gen.get("pad_token_id", config.get("pad_token_id")))
+        gen = generation_fields(generation_config)
+        ids, id_names = special_token_ids(config, gen)
         check_llama_numbers({**{k: v for k, v in numbers.items() if k in INT_LIMITS
-                                or k in FLOAT_LIMITS}, **ids}, HF_NAMES, where)
+                                or k in FLOAT_LIMITS}, **ids}, {**HF_NAMES, **id_names}, where)
         moe = MoeConfig.from_hf_dict(config, where)
         try:  # the checks __post_init__ makes (qk_rope_head_dim even ...), with the path
             return cls(**numbers, moe=moe, rope_scaling=scaling,
@@ -285,14 +282,6 @@ def _hf_rope(config: dict, where: str) -> tuple[float, tuple | None]:
                           config.get("max_position_embeddings", 4096))
     check_rope(params, where)
     return theta, freeze(params)
-
-
-def _as_id_tuple(value) -> tuple:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(value)
-    return (value,)
 
 
 def param_shapes(config: DeepseekV3Config) -> dict:

@@ -74,7 +74,9 @@ from jaxgen.models.config_checks import (
     check_float,
     check_int,
     check_llama_numbers,
+    generation_fields,
     refuse_quantization,
+    special_token_ids,
 )
 from jaxgen.models.llama import ModelOutput, apply_rope, freeze
 
@@ -257,18 +259,12 @@ class GemmaConfig:
         window = None if window is None else check_int("sliding_window", window,
                                                        *INT_LIMITS["sliding_window"], where)
         rope = _rope(config, model_type, where)
-        gen = dict(generation_config or {})
-        for k in ("transformers_version", "_from_model_config"):
-            gen.pop(k, None)
+        gen = generation_fields(generation_config)
         if gen.get("cache_implementation") == "hybrid":  # HF's per-layer-window cache: the
             gen.pop("cache_implementation")  # static cache computes the same (module docs)
-        eos = gen.get("eos_token_id", config.get("eos_token_id"))
-        ids = dict(bos_token_id=gen.get("bos_token_id", config.get("bos_token_id")),
-                   eos_token_id=() if eos is None else tuple(eos) if isinstance(
-                       eos, (list, tuple)) else (eos,),
-                   pad_token_id=gen.get("pad_token_id", config.get("pad_token_id")))
+        ids, id_names = special_token_ids(config, gen)
         check_llama_numbers({**numbers, "sliding_window": window, **ids},
-                            {**names, "sliding_window": "sliding_window"}, where)
+                            {**names, "sliding_window": "sliding_window", **id_names}, where)
         try:
             return cls(**numbers, layer_types=types, sliding_window=window,
                        qk_norm=model_type == "gemma3_text", hidden_activation=activation,

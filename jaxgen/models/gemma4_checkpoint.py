@@ -37,7 +37,10 @@ from jaxgen.models.config_checks import (
     INT_LIMITS,
     check_float,
     check_int,
+    check_llama_numbers,
+    generation_fields,
     refuse_quantization,
+    special_token_ids,
 )
 from jaxgen.models.gemma4 import LAYER_TYPES, ROPE_TYPES, Gemma4, Gemma4Config
 from jaxgen.models.hf_checkpoint import read_hf_tensors
@@ -148,13 +151,13 @@ def gemma4_config(config: dict, generation_config: dict | None = None,
     for key in ("tie_word_embeddings", "attention_k_eq_v", "use_double_wide_mlp"):
         if not isinstance(config.get(key, False), bool):
             raise ValueError(f"{prefix}{key}={config[key]!r}; allowed: true or false")
-    gen = dict(generation_config or {})
-    for key in ("transformers_version", "_from_model_config"):
-        gen.pop(key, None)
-    eos = gen.get("eos_token_id", config.get("eos_token_id", 1))
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    gen = generation_fields(generation_config)
+    vocab = number("vocab_size", INT_LIMITS["vocab_size"], 262_144)
+    ids, id_names = special_token_ids(  # Gemma4TextConfig's defaults
+        config, gen, {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0})
+    check_llama_numbers({"vocab_size": vocab, **ids}, id_names, where_name)
     return Gemma4Config(
-        vocab_size=number("vocab_size", INT_LIMITS["vocab_size"], 262_144),
+        vocab_size=vocab,
         hidden_size=number("hidden_size", INT_LIMITS["hidden_size"], 2304),
         intermediate_size=number("intermediate_size", INT_LIMITS["intermediate_size"], 9216),
         num_heads=heads, layer_types=tuple(types), head_dims=tuple(head_dims),
@@ -175,9 +178,7 @@ def gemma4_config(config: dict, generation_config: dict | None = None,
                                        config.get("num_kv_shared_layers", 0) or 0, 0, layers - 1,
                                        where_name),
         use_double_wide_mlp=bool(config.get("use_double_wide_mlp", False)),
-        bos_token_id=gen.get("bos_token_id", config.get("bos_token_id", 2)),
-        eos_token_id=eos, pad_token_id=gen.get("pad_token_id", config.get("pad_token_id", 0)),
-        generation_defaults=freeze(gen))
+        **ids, generation_defaults=freeze(gen))
 
 
 def read_config(folder: str) -> tuple[dict, dict | None, str]:

@@ -62,7 +62,9 @@ from jaxgen.models.config_checks import (
     check_float,
     check_int,
     check_llama_numbers,
+    generation_fields,
     refuse_quantization,
+    special_token_ids,
 )
 from jaxgen.models.llama import ModelOutput, _check_keys, _check_shape
 from jaxgen.models.moe import MOE_SHARDING_RULES, MoeConfig, moe_mlp, moe_shapes
@@ -192,16 +194,10 @@ class Glm4MoeConfig:
                                             config.get("first_k_dense_replace", 1), 0,
                                             numbers["num_layers"], where)
         rope = _rope_fields(config, numbers["head_dim"], where)
-        gen = dict(generation_config or {})
-        for k in ("transformers_version", "_from_model_config"):
-            gen.pop(k, None)
-        eos = gen.get("eos_token_id", config.get("eos_token_id"))
-        ids = dict(bos_token_id=gen.get("bos_token_id", config.get("bos_token_id")),
-                   eos_token_id=() if eos is None else tuple(eos) if isinstance(
-                       eos, (list, tuple)) else (eos,),
-                   pad_token_id=gen.get("pad_token_id", config.get("pad_token_id")))
-        check_llama_numbers({**numbers, "rope_theta": rope["rope_theta"], **ids}, HF_NAMES,
-                            where)
+        gen = generation_fields(generation_config)
+        ids, id_names = special_token_ids(config, gen)
+        check_llama_numbers({**numbers, "rope_theta": rope["rope_theta"], **ids},
+                            {**HF_NAMES, **id_names}, where)
         return cls(**numbers, **rope, **ids,
                    moe=MoeConfig.from_hf_dict(config, where),
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),

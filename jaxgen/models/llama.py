@@ -51,7 +51,9 @@ from jaxgen.models.config_checks import (
     check_float,
     check_int,
     check_llama_numbers,
+    generation_fields,
     refuse_quantization,
+    special_token_ids,
 )
 from jaxgen.models.exit_adapter import apply_exit_adapter, exit_adapter_shapes
 from jaxgen.models.mtp import MtpLayers
@@ -202,15 +204,11 @@ class LlamaConfig:
             raise ValueError(f"{prefix}{error}") from None
         biased = bool(config.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        gen = dict(generation_config or {})
-        for k in ("transformers_version", "_from_model_config"):
-            gen.pop(k, None)
-        eos = gen.get("eos_token_id", config.get("eos_token_id"))
-        bos = gen.get("bos_token_id", config.get("bos_token_id"))
-        pad = gen.get("pad_token_id", config.get("pad_token_id"))
+        gen = generation_fields(generation_config)
         window = _uniform_window(arch, config, numbers["num_layers"], where)
-        ids = dict(bos_token_id=bos, eos_token_id=_as_id_tuple(eos), pad_token_id=pad)
-        check_llama_numbers({**numbers, "sliding_window": window, **ids}, HF_NAMES, where)
+        ids, id_names = special_token_ids(config, gen)
+        check_llama_numbers({**numbers, "sliding_window": window, **ids},
+                            {**HF_NAMES, **id_names}, where)
         return cls(
             **numbers,
             rope_scaling=scaling,
@@ -307,15 +305,6 @@ def _uniform_window(arch: str, config: dict, layers: int, where: str = "") -> in
                              f"(max_window_layers={config.get('max_window_layers')}) are not "
                              f"supported")
     return window
-
-
-def _as_id_tuple(value) -> tuple:
-    """None -> (), an id -> (id,), a list -> a tuple (the ids are checked by the config)."""
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(value)
-    return (value,)
 
 
 def _rotate_half(x: jax.Array) -> jax.Array:
