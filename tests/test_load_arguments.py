@@ -10,7 +10,15 @@ import pytest
 
 from jaxgen.models import Llama, LlamaConfig, load
 from jaxgen.models.hf_export import save_hf_checkpoint
-from jaxgen.models.registry import check_load_dtype
+from jaxgen.models.checkpoint_checks import check_load_dtype
+from jaxgen.models.deepseek_checkpoint import load_deepseek_v3
+from jaxgen.models.gemma4_assistant import load_gemma4_assistant
+from jaxgen.models.gemma4_checkpoint import load_gemma4
+from jaxgen.models.gemma_checkpoint import load_gemma_checkpoint
+from jaxgen.models.gguf_checkpoint import load_gguf_checkpoint
+from jaxgen.models.glm4_checkpoint import load_glm4_moe
+from jaxgen.models.hf_checkpoint import load_hf, load_hf_checkpoint
+from jaxgen.models.mtp_drafter_io import load_mtp_drafter
 
 SMALL = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=4, rms_norm_eps=1e-5)
@@ -29,6 +37,16 @@ def test_a_dtype_other_than_float32_or_bfloat16_is_refused_before_reading(dtype)
     with pytest.raises(ValueError, match=r"^dtype=.* is not supported; allowed: float32, "
                                          r"bfloat16$"):
         load("no/such/folder", dtype)  # the dtype is refused before the path is looked at
+
+
+@pytest.mark.parametrize("loader", [load_hf, load_hf_checkpoint, load_gemma_checkpoint,
+                                    load_gemma4, load_gemma4_assistant, load_glm4_moe,
+                                    load_deepseek_v3, load_gguf_checkpoint, load_mtp_drafter])
+def test_each_family_loader_refuses_another_dtype_before_reading(loader, folder):
+    with pytest.raises(ValueError, match=r"^dtype='int8' is not supported; allowed: float32"):
+        loader(folder, "int8")  # a Llama folder: each would fail later on it, not first
+    with pytest.raises(ValueError, match=r"^dtype=<class 'jax.numpy.int32'> is not supported"):
+        loader("no/such/folder", jnp.int32)
 
 
 @pytest.mark.parametrize("dtype, name", [(jnp.float32, "float32"), (np.float32, "float32"),

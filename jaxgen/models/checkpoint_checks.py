@@ -1,4 +1,5 @@
-"""Checks the checkpoint loaders share: every weight finite, no tensor left unused.
+"""Checks the checkpoint loaders share: the weights' dtype, every weight finite, no tensor
+left unused.
 
 Strictness: a loader raises when a file holds tensors its config does not use (a config.json
 saying 1 layer over weights for 2 would otherwise load 1 layer and drop the rest). Tensors
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import jax.numpy as jnp
 import numpy as np
 
 SHOWN_NAMES = 5  # how many tensor names an error lists
@@ -60,3 +62,27 @@ def reject_unexpected(unused: Iterable[str], allowed_extra: Iterable[str], where
     prefix = f"{where}: " if where else ""
     raise ValueError(f"{prefix}{len(unexpected)} tensor(s) that this config does not use: "
                      f"{names_list(unexpected)}{hint}")
+
+
+LOAD_DTYPES = ("float32", "bfloat16")  # the dtypes load() gives weights
+
+
+def check_load_dtype(dtype) -> jnp.dtype:
+    """`dtype` as a jnp dtype when it names one of LOAD_DTYPES (jnp.float32, np.float32 and
+    "float32" alike); a ValueError naming it and the allowed dtypes otherwise.
+
+    Example:
+        >>> check_load_dtype("bfloat16"), check_load_dtype(jnp.float32)
+        (dtype(bfloat16), dtype('float32'))
+        >>> check_load_dtype("int8")
+        Traceback (most recent call last):
+        ...
+        ValueError: dtype='int8' is not supported; allowed: float32, bfloat16
+    """
+    try:
+        name = None if isinstance(dtype, bool) else jnp.dtype(dtype).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in LOAD_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(LOAD_DTYPES)}")
+    return jnp.dtype(name)

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.checkpoint_checks import (
+    check_load_dtype,
     names_list,
     reject_unexpected,
     require_finite,
@@ -223,6 +224,7 @@ def load_deepseek_v3(folder: str, dtype=jnp.float32) -> tuple[DeepseekV3, dict,
                                                              Tokenizer | None]:
     """(model, params, tokenizer) from a HF DeepSeek-V3 folder; tokenizer is None without
     tokenizer.json. dtype: jnp.float32 or jnp.bfloat16."""
+    dtype = check_load_dtype(dtype)
     config = load_deepseek_v3_config(folder)
     tokenizer = Tokenizer.of_folder(folder)  # before any weight is read
     tensors = read_hf_tensors(folder)

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.models.checkpoint_checks import check_load_dtype
 from jaxgen.models.checkpoint_files import read_json_file
 from jaxgen.models.config_checks import (
     FLOAT_LIMITS,
@@ -263,6 +264,7 @@ def read_lm_head(tensors: Mapping, shape: tuple, dtype, lead: str):
 def load_gemma4(folder: str, dtype=jnp.float32) -> tuple[Gemma4, dict, Tokenizer | None]:
     """(model, params, tokenizer or None) from a Gemma 4 folder ("gemma4_text" or the text
     model of "gemma4"). Unused tensors other than the vision / audio towers are an error."""
+    dtype = check_load_dtype(dtype)
     text, generation, model_type = read_config(folder)
     config = gemma4_config(text, generation, where=os.path.join(folder, "config.json"))
     tokenizer = Tokenizer.of_folder(folder)  # before any weight is read

@@ -30,7 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.models.checkpoint_checks import names_list, reject_unexpected, require_finite
+from jaxgen.models.checkpoint_checks import (
+    check_load_dtype,
+    names_list,
+    reject_unexpected,
+    require_finite,
+)
 from jaxgen.models.checkpoint_files import read_json_file
 from jaxgen.models.config_checks import check_layer_count, refuse_quantization
 from jaxgen.models.gemma import Gemma, GemmaConfig, gemma_param_shapes
@@ -151,6 +156,7 @@ def gemma_params(config: GemmaConfig, tensors: Mapping[str, np.ndarray], dtype=j
 
 def load_gemma_checkpoint(folder: str, dtype=jnp.float32) -> tuple[Gemma, dict]:
     """(Gemma, params) from a HF folder of model_type gemma2 / gemma3_text / gemma3."""
+    dtype = check_load_dtype(dtype)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     config, multimodal = load_gemma_config(folder)

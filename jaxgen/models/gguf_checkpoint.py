@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.checkpoint_checks import (
+    check_load_dtype,
     names_list,
     reject_unexpected,
     require_finite,
@@ -250,6 +251,7 @@ def load_gguf_checkpoint(path: str, dtype=jnp.float32, *,
     allowed_extra: tensor-name prefixes that may be present without being loaded (see
     `gguf_model`); by default every tensor must be used.
     """
+    dtype = check_load_dtype(dtype)
     return gguf_model(open_gguf(path), path, dtype, allowed_extra=allowed_extra)
 
 

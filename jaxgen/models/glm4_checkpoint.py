@@ -46,7 +46,12 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.models.checkpoint_checks import names_list, reject_unexpected, require_finite
+from jaxgen.models.checkpoint_checks import (
+    check_load_dtype,
+    names_list,
+    reject_unexpected,
+    require_finite,
+)
 from jaxgen.models.checkpoint_files import read_json_file
 from jaxgen.models.config_checks import check_layer_count, check_tensor_shapes
 from jaxgen.models.glm4_moe import ATTENTION_KEYS, DENSE_KEYS, Glm4Moe, Glm4MoeConfig
@@ -207,6 +212,7 @@ def glm4_moe_params(config: Glm4MoeConfig, tensors: Mapping[str, np.ndarray], dt
 def load_glm4_moe(folder: str, dtype=jnp.float32) -> tuple[Glm4Moe, dict, Tokenizer | None]:
     """(model, params, tokenizer) from a GLM-4.5 HF folder; tokenizer is None without
     tokenizer.json. The registry's loader for model_type "glm4_moe"."""
+    dtype = check_load_dtype(dtype)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     config = load_glm4_moe_config(folder)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.checkpoint_checks import (
+    check_load_dtype,
     names_list,
     reject_unexpected,
     require_finite,
@@ -232,6 +233,7 @@ def load_hf_checkpoint(folder: str, dtype=jnp.float32, *,
     allowed_extra: tensor-name prefixes that may be present without being loaded (see
     `hf_to_params`); by default every tensor must be used.
     """
+    dtype = check_load_dtype(dtype)
     config = load_hf_config(folder)
     tensors = read_hf_tensors(folder)
     return Llama(config), hf_to_params(config, tensors, dtype, allowed_extra=allowed_extra,

@@ -47,7 +47,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.models.checkpoint_checks import reject_unexpected, require_finite
+from jaxgen.models.checkpoint_checks import check_load_dtype, reject_unexpected, require_finite
 from jaxgen.models.checkpoint_files import read_json_file
 from jaxgen.models.hf_export import HF_LAYER_NAMES
 from jaxgen.models.mtp_drafter import (
@@ -171,6 +171,7 @@ def is_mtp_drafter_folder(folder: str) -> bool:
 
 def load_mtp_drafter(folder: str, dtype=jnp.float32) -> tuple[MtpDrafterModel, dict]:
     """(model, params) from a drafter folder, strictly checked (module docs)."""
+    dtype = check_load_dtype(dtype)
     config_path = os.path.join(folder, "config.json")
     config = config_from_dict(read_json_file(config_path), config_path)
     path = os.path.join(folder, "model.safetensors")

@@ -28,6 +28,7 @@ import os
 
 import jax.numpy as jnp
 
+from jaxgen.models.checkpoint_checks import check_load_dtype
 from jaxgen.models.deepseek_checkpoint import load_deepseek_v3
 from jaxgen.models.embedded import DEFAULT_MODEL, EMBEDDED, embedded_path
 from jaxgen.models.gemma_checkpoint import GEMMA_MODEL_TYPES, load_gemma
@@ -132,8 +133,8 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     Embedded models are cached per process (keyed by name and dtype); callers share the
     returned (immutable) arrays. cache_dir: GGUF models (embedded or a .gguf path) are kept
     converted there between processes (jaxgen.models.gguf_cache); None: read the file.
-    dtype: the weights' dtype, float32 or bfloat16 (LOAD_DTYPES; another one is a ValueError
-    before anything is read).
+    dtype: the weights' dtype, float32 or bfloat16 (checkpoint_checks.LOAD_DTYPES; another one
+    is a ValueError before anything is read, here and in each family's own loader).
     weights: "float" (dtype), "int8" (weight-only int8 matrices, jaxgen/models/quantize.py) or
     "gguf" (a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks kept as integers, jaxgen/models/gguf_blocks.py).
     group: int8 scales per `group` consecutive inputs of each output channel (it must divide
@@ -152,30 +153,6 @@ def load(name_or_path: str, dtype=jnp.float32, *, cache_dir: str | None = None,
     if tokenizer is not None and hasattr(model, "vocab_size"):
         warn_if_model_vocab_larger(model.vocab_size, tokenizer, os.fspath(name_or_path))
     return loaded  # the same object the per-process cache of embedded models holds
-
-
-LOAD_DTYPES = ("float32", "bfloat16")  # the dtypes load() gives weights
-
-
-def check_load_dtype(dtype) -> jnp.dtype:
-    """`dtype` as a jnp dtype when it names one of LOAD_DTYPES (jnp.float32, np.float32 and
-    "float32" alike); a ValueError naming it and the allowed dtypes otherwise.
-
-    Example:
-        >>> check_load_dtype("bfloat16"), check_load_dtype(jnp.float32)
-        (dtype(bfloat16), dtype('float32'))
-        >>> check_load_dtype("int8")
-        Traceback (most recent call last):
-        ...
-        ValueError: dtype='int8' is not supported; allowed: float32, bfloat16
-    """
-    try:
-        name = None if isinstance(dtype, bool) else jnp.dtype(dtype).name
-    except (TypeError, ValueError):
-        name = None
-    if name not in LOAD_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(LOAD_DTYPES)}")
-    return jnp.dtype(name)
 
 
 def _checked_name(name_or_path):
