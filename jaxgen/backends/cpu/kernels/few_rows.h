@@ -21,8 +21,8 @@ namespace jaxgen_rows {
 typedef float v8 __attribute__((vector_size(32)));  // 8 floats; AVX where the CPU has it
 #ifdef __AVX512F__
 typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register
-// The tiles' vectors: 16 lanes, half the instructions of 8 (30 SmolLM2 layers, 2 / 4 / 8 /
-// 16 rows: 18.8 / 21.5 / 25.3 / 33.8 ms against 19.9 / 22.7 / 26.3 / 37.6 in 8 lanes, Intel)
+// The widest vector of the build (the prefill-attention kernel's tiles); the few-row tiles
+// choose theirs at run time (`tiles_in_16_lanes`).
 typedef v16 TileVector;
 #else
 typedef v8 TileVector;
@@ -72,11 +72,10 @@ inline float tree_sum(v16 v) {
 }
 #endif
 
-// ROWS input rows x COLS weight rows: ROWS * COLS dot products of length k.
-template <int ROWS, int COLS>
+// ROWS input rows x COLS weight rows: ROWS * COLS dot products of length k, in vectors V.
+template <typename V, int ROWS, int COLS>
 inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
                  const float* w_end) {
-  typedef TileVector V;
   constexpr int LANES = sizeof(V) / sizeof(float);
   V acc[ROWS][COLS];
   _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
@@ -150,6 +149,13 @@ inline bool intel_avx512_host() {
 #endif
 }
 
+// Whether the tiles multiply in vectors of 16 lanes rather than 8: on Intel AVX-512 hosts,
+// half the instructions (30 SmolLM2 layers, 2 / 4 / 8 / 16 rows: 18.8 / 21.5 / 25.3 / 33.8 ms
+// against 19.9 / 22.7 / 26.3 / 37.6 in 8 lanes), not on AMD ones, whose cores run a 16-lane
+// operation as two halves (Zen 4: a batch-8 decode step 48.5 ms in 16 lanes against 40.9 in
+// 8, benchmarks/bench_ab.py).
+inline bool tiles_in_16_lanes() { return intel_avx512_host(); }
+
 // Whether two input rows run the tiles rather than the streaming path: on Intel AVX-512
 // hosts (30 SmolLM2 layers, two rows: tiles 19.2-19.7 ms, streaming 21.8-23.9; one row level
 // at 18.6-19.9), not on AMD ones, where the streaming path was measured the faster.
@@ -167,15 +173,26 @@ inline int64_t block_rows_for(int64_t n, int64_t threads) {
   return std::max<int64_t>((share + 7) / 8 * 8, 8);  // whole tiles of up to 8 weight rows
 }
 
-// Input rows [0, ROWS) against weight rows [begin, end), COLS weight rows a tile.
-template <int ROWS>
-void tiled_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
-                int64_t begin, int64_t end, const float* w_end) {
+// Input rows [0, ROWS) against weight rows [begin, end), COLS weight rows a tile of vectors V.
+template <typename V, int ROWS>
+void tiled_rows_in(const float* x, int64_t k, const float* w, float* y, int64_t n,
+                   int64_t begin, int64_t end, const float* w_end) {
   // accumulators (ROWS * COLS) + operands (ROWS + COLS) within the vector registers
   constexpr int COLS = ROWS > 8 ? 1 : REGISTERS >= 32 && ROWS <= 4 ? 4 : 2;
   int64_t col = begin;
-  for (; col + COLS <= end; col += COLS) tile<ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
-  for (; col < end; ++col) tile<ROWS, 1>(x, k, w + col * k, y + col, n, w_end);
+  for (; col + COLS <= end; col += COLS)
+    tile<V, ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
+  for (; col < end; ++col) tile<V, ROWS, 1>(x, k, w + col * k, y + col, n, w_end);
+}
+
+// Input rows [0, ROWS) against weight rows [begin, end), in this host's tile vectors.
+template <int ROWS>
+void tiled_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
+                int64_t begin, int64_t end, const float* w_end) {
+#ifdef __AVX512F__
+  if (tiles_in_16_lanes()) return tiled_rows_in<v16, ROWS>(x, k, w, y, n, begin, end, w_end);
+#endif
+  tiled_rows_in<v8, ROWS>(x, k, w, y, n, begin, end, w_end);
 }
 
 // Input rows [0, ROWS) against weight rows [begin, end).
