@@ -35,9 +35,9 @@ constexpr int REGISTERS = 32;      // vector registers (AVX-512 gives 32 to 8-fl
 constexpr int REGISTERS = 16;
 #endif
 constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share one weight pass
-// With 32 registers, 16 input rows share a pass as well, in tiles of one weight row (16 sums,
-// the inputs read from L1 by the products themselves): 30 SmolLM2 layers at 16 rows 31.8 ms
-// against 34.7 as two groups of 8 (Intel AVX-512 host). 0: none (16 registers).
+// With 32 registers, 16 input rows can share a pass as well, in tiles of one weight row (16
+// sums, the inputs read from L1 by the products themselves): on Intel hosts only
+// (`wide_row_passes`). 0: none (16 registers).
 constexpr int WIDE_ROWS = REGISTERS >= 32 ? 16 : 0;
 // How many tiles ahead the weight rows are prefetched, into every cache level: a
 // non-temporal prefetch made 3 to 8 rows 2.3-2.5x slower on an Intel AVX-512 host (30 SmolLM2
@@ -156,6 +156,11 @@ inline bool intel_avx512_host() {
 // 8, benchmarks/bench_ab.py).
 inline bool tiles_in_16_lanes() { return intel_avx512_host(); }
 
+// Whether 16 input rows share a pass (WIDE_ROWS): on Intel AVX-512 hosts (30 SmolLM2 layers
+// at 16 rows 31.8 ms against 34.7 as two groups of 8), not on AMD ones (Zen 4: a 16 / 32-token
+// prompt's call 62-63 / 98-101 ms against 48 / 76-83 in groups of 8).
+inline bool wide_row_passes() { return intel_avx512_host(); }
+
 // Whether two input rows run the tiles rather than the streaming path: on Intel AVX-512
 // hosts (30 SmolLM2 layers, two rows: tiles 19.2-19.7 ms, streaming 21.8-23.9; one row level
 // at 18.6-19.9), not on AMD ones, where the streaming path was measured the faster.
@@ -225,8 +230,9 @@ inline void block(const float* x, int64_t m, int64_t k, const float* w, float* y
   const float* w_end = w + n * k;
   int64_t row = 0;
   if constexpr (WIDE_ROWS > 0) {
-    for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
-      tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
+    if (wide_row_passes())
+      for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
+        tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
   }
   for (; row + GROUP_ROWS <= m; row += GROUP_ROWS)
     weight_rows<GROUP_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
