@@ -10,9 +10,7 @@ Example:
     True
     >>> INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS > INTEL_AVX512_STACKED_KERNEL_MAX_ROWS
     True
-    >>> QUANTIZED_STACKED_NIBBLE_KERNEL_MAX_ROWS > QUANTIZED_STACKED_KERNEL_MAX_ROWS
-    True
-    >>> INTEL_AVX512_STACKED_KERNEL_MAX_ROWS > QUANTIZED_STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS
+    >>> INTEL_AVX512_STACKED_KERNEL_MAX_ROWS > KERNEL_MAX_ROWS
     True
 """
 from __future__ import annotations
@@ -24,21 +22,19 @@ KERNEL_MAX_ROWS = 32
 # are the faster (30 SmolLM2 layers, kernel against XLA: 16 rows 43.0 vs 44.7 ms, 20 rows
 # 50.2 vs 44.7, 32 rows 75.0 vs 47.2).
 INTEL_AVX512_KERNEL_MAX_ROWS = 16
-# A layer of a float32 stack: XLA's product would first copy the layer out of the stack (a
-# dot reads whole buffers; SmolLM2's 30 layers: 150-240 ms a pass), so the kernel runs
-# further (30 float32 layers, Zen 4: 48 rows 127 vs 221 ms, 96: 209 vs 289, 192: 343 vs 369,
-# 256: 490 vs 474).
+# A layer of a stack (the layout's quantized matrices; float32 layers have buffers of their
+# own): XLA's product would first copy the layer out of the stack (a dot reads whole
+# buffers; SmolLM2's 30 layers: 150-240 ms a pass), so the kernel runs further (30 float32
+# layers, Zen 4: 48 rows 127 vs 221 ms, 96: 209 vs 289, 192: 343 vs 369, 256: 490 vs 474;
+# SmolLM2 forwards with int8 / Q4_1 stacks, Zen 4, benchmarks/bench_quantized_rows.py: 192
+# rows 483 vs 476 / 495 vs 553 ms, 256: 626 vs 574 / 678 vs 639).
 STACKED_KERNEL_MAX_ROWS = 192
-# A layer of a quantized stack (`quantized_rows.stacked_max_rows`): past these rows XLA's
-# product with the expanded layer is the faster (SmolLM2 forwards of S rows with the cache
-# carried, kernel against XLA, benchmarks/bench_quantized_rows.py). int8 codes, and 4-bit
-# codes (two a byte), on AMD Zen 4 (int8 40 rows 224 vs 243 ms, 48: 258 vs 256, 64: 314 vs
-# 280; Q4_1 56 rows 296 vs 316, 64: 340 vs 335, 96: 442 vs 377) and on hosts not measured
-# (AVX2: its float tiles run at under half XLA's matmul rate, bench_verify_width.py) ...
-QUANTIZED_STACKED_KERNEL_MAX_ROWS = 40
-QUANTIZED_STACKED_NIBBLE_KERNEL_MAX_ROWS = 56
-# ... and on Intel AVX-512 hosts (int8 64 rows 202 vs 211 ms, 80: 243 vs 225; Q4_1 96 rows
-# 270 vs 271, 128: 347 vs 300).
+# ... for a layer of a quantized stack on Intel AVX-512 hosts (`quantized_rows.stacked_max_rows`),
+# where XLA's product with the expanded layer overtakes the quantized kernel sooner (SmolLM2
+# forwards of S rows with the cache carried, kernel against XLA,
+# benchmarks/bench_quantized_rows.py: int8 64 rows 202 vs 211 ms, 80 rows 243 vs 225; GGUF
+# Q4_1 96 rows 270 vs 271, 128 rows 347 vs 300; at 192 rows XLA's was 1.3-1.4x faster):
+# int8 codes, and 4-bit codes (two a byte).
 INTEL_AVX512_STACKED_KERNEL_MAX_ROWS = 64
 INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS = 96
 # Row by row (rowwise.py): up to this many rows run one matrix-vector product each (8 rows: no
@@ -55,6 +51,5 @@ HEAD_BY_VOCAB_MIN_ROWS = 3
 
 __all__ = ["HEAD_BY_VOCAB_MIN_ROWS", "INTEL_AVX512_KERNEL_MAX_ROWS",
            "INTEL_AVX512_STACKED_KERNEL_MAX_ROWS", "INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS",
-           "KERNEL_MAX_ROWS", "QUANTIZED_STACKED_KERNEL_MAX_ROWS",
-           "QUANTIZED_STACKED_NIBBLE_KERNEL_MAX_ROWS", "ROWWISE_MAX_ROWS",
+           "KERNEL_MAX_ROWS", "ROWWISE_MAX_ROWS",
            "SPLIT_MIN_BYTES", "STACKED_KERNEL_MAX_ROWS"]

@@ -43,8 +43,7 @@ from jaxgen.backends.cpu.kernels.int16_rounding import int16_rounded
 from jaxgen.backends.cpu.tuning import (
     INTEL_AVX512_STACKED_KERNEL_MAX_ROWS,
     INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS,
-    QUANTIZED_STACKED_KERNEL_MAX_ROWS,
-    QUANTIZED_STACKED_NIBBLE_KERNEL_MAX_ROWS,
+    STACKED_KERNEL_MAX_ROWS,
 )
 
 NIBBLE_BLOCK = 32  # inputs of one 4-bit block (two codes a byte within it)
@@ -58,20 +57,19 @@ def available() -> bool:
 def stacked_max_rows(codes_dtype=jnp.int8) -> int:
     """The most input rows a layer of a quantized stack (int8 codes, or uint8 bytes of two
     4-bit codes) runs the kernel for on this host, beyond which XLA's product with the
-    expanded layer is the faster (`tuning.py`): QUANTIZED_STACKED_KERNEL_MAX_ROWS (int8) /
-    QUANTIZED_STACKED_NIBBLE_KERNEL_MAX_ROWS (4-bit), or their INTEL_AVX512_ counterparts on
-    Intel AVX-512 hosts.
+    expanded layer is the faster (`tuning.py`): on Intel AVX-512 hosts
+    INTEL_AVX512_STACKED_KERNEL_MAX_ROWS (int8) / INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS
+    (4-bit), STACKED_KERNEL_MAX_ROWS elsewhere.
 
     Example:
-        >>> stacked_max_rows(jnp.uint8) > stacked_max_rows(jnp.int8) > 32
+        >>> stacked_max_rows(jnp.uint8) >= stacked_max_rows(jnp.int8) > 32
         True
     """
-    nibbles = jnp.dtype(codes_dtype) == jnp.uint8
-    if intel_avx512_host():
-        return (INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS if nibbles
-                else INTEL_AVX512_STACKED_KERNEL_MAX_ROWS)
-    return (QUANTIZED_STACKED_NIBBLE_KERNEL_MAX_ROWS if nibbles
-            else QUANTIZED_STACKED_KERNEL_MAX_ROWS)
+    if not intel_avx512_host():
+        return STACKED_KERNEL_MAX_ROWS
+    if jnp.dtype(codes_dtype) == jnp.uint8:
+        return INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS
+    return INTEL_AVX512_STACKED_KERNEL_MAX_ROWS
 
 
 def runs(k: int, codes_dtype, groups: int) -> bool:
