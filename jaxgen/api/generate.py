@@ -197,15 +197,9 @@ def default_config(model, cfg: GenerationConfig | None = None, **overrides: Any)
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if base.get(name) is None and getattr(model_cfg, name, None) is not None:
             base[name] = getattr(model_cfg, name)
-    try:
-        return GenerationConfig.from_dict({**base, **overrides})
-    except ValueError as error:
-        try:  # the model's own defaults are at fault: name the file they came from
-            GenerationConfig.from_dict({k: v for k, v in base.items() if k not in overrides})
-        except ValueError:
-            raise ValueError(f"the model's generation_config.json (its generation defaults; "
-                             f"pass the field to override it): {error}") from None
-        raise
+    return GenerationConfig.from_defaults(
+        base, "the model's generation_config.json (its generation defaults; pass the field "
+        "to override it)", **overrides)
 
 
 def generate_ids(model, params, prompts, cfg: GenerationConfig | None = None, *, key=None,

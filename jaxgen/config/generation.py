@@ -307,6 +307,28 @@ class GenerationConfig:
         return cls(**merged)
 
     @classmethod
+    def from_defaults(cls, defaults: dict[str, Any], source: str,
+                      **overrides: Any) -> "GenerationConfig":
+        """`from_dict(defaults, **overrides)`, its error prefixed with `source` (where the
+        defaults came from) when the defaults' own fields are at fault, not the overrides.
+
+        >>> GenerationConfig.from_defaults({"top_k": -1}, "gen.json", top_k=3).top_k
+        3
+        >>> GenerationConfig.from_defaults({"top_k": -1}, "gen.json")
+        Traceback (most recent call last):
+        ...
+        ValueError: gen.json: `top_k` must be an int >= 0 (0 disables it), got -1
+        """
+        try:
+            return cls.from_dict(defaults, **overrides)
+        except ValueError as error:
+            try:
+                cls.from_dict({k: v for k, v in defaults.items() if k not in overrides})
+            except ValueError:
+                raise ValueError(f"{source}: {error}") from None
+            raise
+
+    @classmethod
     def from_transformers(cls, config, **overrides: Any) -> "GenerationConfig":
         """A `transformers.GenerationConfig` object's fields, converted one by one through
         `from_dict` (the generation_config.json path: a field jaxgen does not implement is
@@ -339,14 +361,7 @@ class GenerationConfig:
                 raise ValueError(f"{path} is not valid JSON: {error}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} holds a {type(data).__name__}, expected an object")
-        try:
-            return cls.from_dict(data, **overrides)
-        except ValueError as error:
-            try:  # the file's own fields are at fault: name it
-                cls.from_dict({k: v for k, v in data.items() if k not in overrides})
-            except ValueError:
-                raise ValueError(f"{path}: {error}") from None
-            raise
+        return cls.from_defaults(data, path, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in HF_DEFAULTS}
