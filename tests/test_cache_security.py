@@ -185,7 +185,19 @@ def test_the_parsed_setting_keys_the_executable_cache(tmp_path, monkeypatch):
     assert store.counts == {"hits": 1, "written": 0, "damaged": 0, "uncached": 0}
 
 
-def test_the_cli_refuses_a_bad_kernel_setting_before_loading(monkeypatch, capsys, tmp_path):
+def test_the_kernel_arch_keys_the_executable_cache(monkeypatch):
+    monkeypatch.delenv("JAXGEN_KERNEL_ARCH", raising=False)
+    native = executable_cache.environment()
+    monkeypatch.setenv("JAXGEN_KERNEL_ARCH", " native ")  # the same instruction set
+    assert executable_cache.environment() == native
+    monkeypatch.setenv("JAXGEN_KERNEL_ARCH", "haswell")
+    assert executable_cache.environment() != native
+
+
+@pytest.mark.parametrize("variable, value", [("JAXGEN_CPU_KERNELS", "fast"),
+                                             ("JAXGEN_KERNEL_ARCH", "-O0")])
+def test_the_cli_refuses_a_bad_kernel_variable_before_loading(monkeypatch, capsys, tmp_path,
+                                                              variable, value):
     from jaxgen.cli import main as cli
 
     def no_load(*args, **kwargs):
@@ -193,10 +205,10 @@ def test_the_cli_refuses_a_bad_kernel_setting_before_loading(monkeypatch, capsys
 
     monkeypatch.setattr(cli, "load_model", no_load)
     monkeypatch.setenv("JAXGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("JAXGEN_CPU_KERNELS", "fast")
+    monkeypatch.setenv(variable, value)
     assert cli.main(["--max-new-tokens", "2", "Hi"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "JAXGEN_CPU_KERNELS='fast'" in lines[0], lines
+    assert len(lines) == 1 and f"{variable}={value!r}" in lines[0], lines
     assert not (tmp_path / "cache").exists()
 
 
@@ -322,7 +334,7 @@ def test_a_planted_kernel_library_is_not_loaded(tmp_path, monkeypatch, plant):
     monkeypatch.setenv("JAXGEN_TEST_MARKER", str(tmp_path / "planted-code-ran"))
     source = _tiny_source(tmp_path)
     folder = kernels.kernel_folder()
-    name = kernels._library_name(source, kernels.FLAGS + kernels.NATIVE_FLAGS,
+    name = kernels._library_name(source, kernels.FLAGS + kernels.native_flags(),
                                  time.monotonic() + 60)
     evil = tmp_path / "evil.cc"
     evil.write_text(PLANTED)

@@ -108,13 +108,15 @@ def enable_compile_cache() -> None:
 
 
 def prepare_kernels(no_cache: bool) -> None:
-    """Before the model loads: $JAXGEN_CPU_KERNELS checked (ValueError naming it and its
-    values), and the native kernels' build started in the background where they are on.
+    """Before the model loads: $JAXGEN_CPU_KERNELS and $JAXGEN_KERNEL_ARCH checked (a
+    ValueError naming the variable and the values it takes), and the native kernels' build
+    started in the background where they are on.
     no_cache: nothing is written to the user's kernel cache (a kernel missing there is built
     in a private folder removed at exit)."""
     from jaxgen.runtime import backend
 
     backend.kernel_setting()
+    backend.kernel_arch()
     backend.start_native_build(temporary=no_cache)
 
 

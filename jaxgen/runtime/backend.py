@@ -10,10 +10,11 @@ every generate call and a static argument of every program (jit keys on it), cho
     "portable"  no backend preparation: the program a GPU or TPU runs, on any platform
     "split"     the CPU backend's layouts whatever the model's size (XLA:CPU only)
 
-The native kernels' side (XLA:CPU): `kernel_setting()` ($JAXGEN_CPU_KERNELS, parsed: part of
-every executable-cache key), `native_target_names()` (what a stored program may call: the
-executable cache records which ones it does), `register_native_targets(names)` (before such
-a program is loaded), `start_native_build()` (the CLI, before it loads a model) and
+The native kernels' side (XLA:CPU): `kernel_setting()` ($JAXGEN_CPU_KERNELS) and
+`kernel_arch()` ($JAXGEN_KERNEL_ARCH), parsed: part of every executable-cache key;
+`native_target_names()` (what a stored program may call: the executable cache records which
+ones it does), `register_native_targets(names)` (before such a program is loaded),
+`start_native_build()` (the CLI, before it loads a model) and
 `start_builds_for_load(weights, file_bytes)` (a model is loading: the facade passes on
 `jaxgen.models.load`'s announcement, jaxgen.notices.model_loads).
 
@@ -117,6 +118,13 @@ def kernel_setting() -> str:
     return _kernels().parse_kernel_setting(os.environ.get("JAXGEN_CPU_KERNELS"))
 
 
+def kernel_arch() -> str:
+    """$JAXGEN_KERNEL_ARCH parsed: the instruction set the native kernels are built for
+    ("native" unless set; a ValueError naming the variable for a malformed value). Part of
+    every executable-cache key: the kernels' row groups and roundings follow it."""
+    return _kernels().parse_kernel_arch(os.environ.get("JAXGEN_KERNEL_ARCH"))
+
+
 def native_target_names() -> tuple[str, ...]:
     """The FFI targets this backend's programs may call (none off XLA:CPU)."""
     return _kernels().NATIVE_TARGETS if jax.default_backend() == "cpu" else ()
@@ -147,8 +155,8 @@ def start_native_build(temporary: bool = False) -> None:
 def start_builds_for_load(weights: str, file_bytes: int | None) -> None:
     """A model of these weights ("float", "int8", "gguf"), from files of this size, is loading:
     the native builds it may need start in the background (XLA:CPU with kernels on; nothing
-    for a library built already). A bad $JAXGEN_CPU_KERNELS or build timeout starts nothing
-    here: the first call that reads it names it."""
+    for a library built already). A bad $JAXGEN_CPU_KERNELS, $JAXGEN_KERNEL_ARCH or build
+    timeout starts nothing here: the first call that reads it names it."""
     if jax.default_backend() != "cpu":
         return
     try:
@@ -159,6 +167,7 @@ def start_builds_for_load(weights: str, file_bytes: int | None) -> None:
         return
 
 
-__all__ = ["LAYOUTS", "check_layout", "finish", "kernel_setting", "layout_pieces", "layout_plan",
-           "native_target_names", "placed_for_streaming", "prepare", "register_native_targets",
-           "start_builds_for_load", "start_native_build", "with_layout"]
+__all__ = ["LAYOUTS", "check_layout", "finish", "kernel_arch", "kernel_setting", "layout_pieces",
+           "layout_plan", "native_target_names", "placed_for_streaming", "prepare",
+           "register_native_targets", "start_builds_for_load", "start_native_build",
+           "with_layout"]

@@ -89,7 +89,7 @@ SUFFIX = ".exe"
 TRUSTED_MODULES = ("jaxgen", "jax", "jaxlib", "numpy", "ml_dtypes", "builtins", "copyreg",
                    "collections", "functools", "operator", "enum", "_codecs", "types",
                    "dataclasses")
-ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")  # and the kernel setting, parsed
+ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")  # and the kernel setting and arch, parsed
 
 _STORE: ExecutableStore | None = None
 _SOURCE_HASH: list[str] = []
@@ -177,7 +177,8 @@ def environment() -> tuple:
             tuple((d.platform, d.device_kind, d.id, d.process_index) for d in devices),
             jax.process_count(), config,
             tuple((name, os.environ.get(name, "")) for name in ENVIRONMENT_VARIABLES),
-            ("native kernels", backend.kernel_setting()), ("host cpu", host_cpu()),
+            ("native kernels", backend.kernel_setting()), ("kernel arch", backend.kernel_arch()),
+            ("host cpu", host_cpu()),
             source_hash())
 
 

@@ -27,6 +27,10 @@ quantized one for int8 / GGUF weights, when the weight files are large enough fo
 lay the weights out. The CLI also starts the few-row build before it loads a model. `python -m
 jaxgen.backends.cpu.kernels.build` builds the four libraries ahead of time.
 
+$JAXGEN_KERNEL_ARCH (`parse_kernel_arch`) names the instruction set the kernels are built for
+(the compiler's -march; default native, this CPU's), e.g. haswell for an AVX2 build on an
+AVX-512 host; it is part of the library's name.
+
 $JAXGEN_CPU_KERNELS (`parse_kernel_setting`): auto / on / 1 / true / yes (or unset) build and
 use the kernels, off / 0 / false / no never build; anything else is a ValueError naming the
 variable and the values. When building fails (no compiler, no FFI headers, the deadline)
@@ -94,7 +98,8 @@ TIMEOUT_VARIABLE = "JAXGEN_KERNEL_BUILD_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
 STALE_BUILD_S = 3600.0  # a half-built file this old was left by a build that was killed
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
-NATIVE_FLAGS = ("-march=native",)  # dropped if the compiler refuses them
+ARCH_VARIABLE = "JAXGEN_KERNEL_ARCH"  # the instruction set the kernels are built for
+DEFAULT_ARCH = "native"
 CHECK_TIMEOUT_S = 5.0  # library_ready's `--version` run (the loading thread waits on it)
 # A weight file's bytes times this bound its float32 weights (4-bit codes: 8x): a load starts
 # the builds when that may reach SPLIT_MIN_BYTES, the size "auto" lays weights out from.
@@ -117,6 +122,33 @@ def parse_kernel_setting(raw: str | None) -> str:
 def kernel_setting() -> str:
     """$JAXGEN_CPU_KERNELS, parsed ("auto" or "off"; ValueError for any other value)."""
     return parse_kernel_setting(os.environ.get(SETTING_VARIABLE))
+
+
+def parse_kernel_arch(raw: str | None) -> str:
+    """The compiler's -march value for a $JAXGEN_KERNEL_ARCH value (None or blank:
+    DEFAULT_ARCH, this CPU's own instruction set): a name of letters, digits, "-", "_" and
+    "." that does not start with "-" (e.g. "haswell" or "x86-64-v3" for an AVX2 build on an
+    AVX-512 host); anything else is a ValueError naming the variable.
+
+    Example:
+        >>> parse_kernel_arch(None), parse_kernel_arch(" x86-64-v3 ")
+        ('native', 'x86-64-v3')
+        >>> parse_kernel_arch("-O0 -fplugin=x")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: JAXGEN_KERNEL_ARCH='-O0 -fplugin=x' is not an instruction set name; ...
+    """
+    word = (raw or "").strip() or DEFAULT_ARCH
+    if word.startswith("-") or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in word):
+        raise ValueError(f"{ARCH_VARIABLE}={raw!r} is not an instruction set name; expected "
+                         f"a compiler -march value such as native (the default), haswell or "
+                         f"x86-64-v3: letters, digits, '-', '_' and '.', not starting with '-'")
+    return word
+
+
+def native_flags() -> tuple[str, ...]:
+    """The instruction-set flags the kernels are built with first ($JAXGEN_KERNEL_ARCH,
+    `parse_kernel_arch`); dropped, for the compiler's default target, if it refuses them."""
+    return (f"-march={parse_kernel_arch(os.environ.get(ARCH_VARIABLE))}",)
 
 
 def build_timeout() -> float:
@@ -258,7 +290,7 @@ def build_library(source: Path = SOURCE, deadline: float | None = None) -> Path:
     refused; RuntimeError (or OSError) with the reasons when it cannot be built in time."""
     deadline = time.monotonic() + build_timeout() if deadline is None else deadline
     errors = []
-    for flags in (FLAGS + NATIVE_FLAGS, FLAGS):
+    for flags in (FLAGS + native_flags(), FLAGS):
         try:
             folder = kernel_folder()
             target = folder / _library_name(source, flags, deadline)
@@ -317,7 +349,7 @@ def library_ready(source: Path) -> bool:
     compile nothing (one `--version` run, under CHECK_TIMEOUT_S; any failure: False)."""
     deadline = time.monotonic() + min(build_timeout(), CHECK_TIMEOUT_S)
     try:
-        name = _library_name(source, FLAGS + NATIVE_FLAGS, deadline)
+        name = _library_name(source, FLAGS + native_flags(), deadline)
         if _TEMPORARY and _in_user_cache(name) is not None:
             return True
         return _checked(kernel_folder() / name)
@@ -539,6 +571,7 @@ def main(argv=None) -> int:
 __all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_query_bits", "attention_targets",
            "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows",
            "intel_avx512_host",
-           "kernel_folder", "kernel_setting", "library_ready", "parse_kernel_setting",
+           "kernel_folder", "kernel_setting", "library_ready", "native_flags",
+           "parse_kernel_arch", "parse_kernel_setting",
            "prefill_targets", "quantized_rounded_rows", "quantized_target", "register_targets",
            "start_background_build", "start_builds_for", "use_temporary_folder"]
