@@ -169,3 +169,24 @@ def test_drafter_config_fields_of_the_wrong_type_are_named(drafter_folder, field
         json.dump(config, f)
     with pytest.raises(ValueError, match=rf"^{path}: {message}"):
         load(drafter_folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma4", "glm", "deepseek"])
+@pytest.mark.parametrize("content", [[1, 2], "text", 3])
+def test_a_generation_config_that_is_not_an_object_is_named(family, content, tmp_path):
+    from jaxgen.models.deepseek_checkpoint import load_deepseek_v3_config
+    from jaxgen.models.gemma4_checkpoint import read_config
+    from jaxgen.models.glm4_checkpoint import load_glm4_moe_config
+    from jaxgen.models.hf_checkpoint import load_hf_config
+
+    config = {"llama": dict(SMALL, model_type="llama"),
+              "gemma2": GEMMA2, "gemma4": {"model_type": "gemma4_text", **GEMMA4},
+              "glm": GLM, "deepseek": DEEPSEEK}[family]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps(content))
+    reader = {"llama": load_hf_config, "gemma2": load_gemma_config, "gemma4": read_config,
+              "glm": load_glm4_moe_config, "deepseek": load_deepseek_v3_config}[family]
+    kind = type(content).__name__
+    with pytest.raises(ValueError, match=rf"generation_config\.json holds a {kind}, "
+                                         r"expected an object"):
+        reader(str(tmp_path))

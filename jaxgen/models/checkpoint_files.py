@@ -65,6 +65,26 @@ def read_json_file(path: str, required: bool = True):
         raise ValueError(f"{path}: invalid JSON ({err})") from None
 
 
+def read_json_object(path: str, required: bool = True) -> dict | None:
+    """`read_json_file(path, required)` for a file that must hold a JSON object (config.json,
+    generation_config.json): ValueError naming the path and what it holds otherwise.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "generation_config.json")
+        >>> read_json_object(path, required=False) is None
+        True
+        >>> _ = open(path, "w").write(json.dumps([1]))
+        >>> read_json_object(path)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../generation_config.json holds a list, expected an object
+    """
+    value = read_json_file(path, required)
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, expected an object")
+    return value
+
+
 def read_text(path: str) -> str:
     """The UTF-8 text of the file `path`; ValueError naming it when it holds more than
     MAX_JSON_BYTES or bytes that are not UTF-8."""

@@ -55,7 +55,7 @@ from jaxgen.models.checkpoint_checks import (
     reject_unexpected,
     require_finite,
 )
-from jaxgen.models.checkpoint_files import read_json_file
+from jaxgen.models.checkpoint_files import read_json_file, read_json_object
 from jaxgen.models.deepseek_v3 import DeepseekV3, DeepseekV3Config, param_shapes
 from jaxgen.models.hf_checkpoint import IGNORED_HF_TENSORS, read_hf_tensors
 from jaxgen.models.moe import read_moe_layer
@@ -91,10 +91,7 @@ def load_deepseek_v3_config(folder: str) -> DeepseekV3Config:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     path = os.path.join(folder, "config.json")
-    generation = read_json_file(os.path.join(folder, "generation_config.json"), required=False)
-    if generation is not None and not isinstance(generation, dict):
-        raise ValueError(f"{folder}/generation_config.json holds a {type(generation).__name__}"
-                         f", expected an object")
+    generation = read_json_object(os.path.join(folder, "generation_config.json"), required=False)
     return DeepseekV3Config.from_hf_dict(read_json_file(path), generation, where=path)
 
 

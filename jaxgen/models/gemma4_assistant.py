@@ -61,7 +61,7 @@ import numpy as np
 from jaxgen.cache.attention import KeyBlock, attend_blocks
 from jaxgen.cache.sharding import MODEL, check_divides
 from jaxgen.models.checkpoint_checks import check_load_dtype
-from jaxgen.models.checkpoint_files import read_json_file
+from jaxgen.models.checkpoint_files import read_json_object
 from jaxgen.models.config_checks import check_int
 from jaxgen.models.gemma4 import (
     Gemma4,
@@ -289,9 +289,7 @@ def load_gemma4_assistant(folder: str, dtype=jnp.float32):
     """(assistant, params, None) from a "gemma4_assistant" folder."""
     dtype = check_load_dtype(dtype)
     path = os.path.join(folder, "config.json")
-    config = read_json_file(path)
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a {type(config).__name__}, expected an object")
+    config = read_json_object(path)
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{path}: text_config={text!r}; allowed: an object")

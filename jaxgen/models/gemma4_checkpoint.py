@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.models.checkpoint_checks import check_load_dtype
-from jaxgen.models.checkpoint_files import read_json_file
+from jaxgen.models.checkpoint_files import read_json_object
 from jaxgen.models.config_checks import (
     FLOAT_LIMITS,
     INT_LIMITS,
@@ -185,9 +185,7 @@ def gemma4_config(config: dict, generation_config: dict | None = None,
 def read_config(folder: str) -> tuple[dict, dict | None, str]:
     """(text config dict, generation_config dict or None, model_type) of a Gemma 4 folder."""
     path = os.path.join(folder, "config.json")
-    config = read_json_file(path)
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a {type(config).__name__}, expected an object")
+    config = read_json_object(path)
     refuse_quantization(config, path)  # the top level's (text_config's: gemma4_config)
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -195,10 +193,7 @@ def read_config(folder: str) -> tuple[dict, dict | None, str]:
     text = config.get("text_config") if model_type == "gemma4" else config
     if not isinstance(text, dict):
         raise ValueError(f"{path}: text_config={text!r}; allowed: an object")
-    gen_path = os.path.join(folder, "generation_config.json")
-    generation = read_json_file(gen_path, required=False)
-    if generation is not None and not isinstance(generation, dict):
-        raise ValueError(f"{gen_path} holds a {type(generation).__name__}, expected an object")
+    generation = read_json_object(os.path.join(folder, "generation_config.json"), required=False)
     return text, generation, model_type
 
 

@@ -36,7 +36,7 @@ from jaxgen.models.checkpoint_checks import (
     reject_unexpected,
     require_finite,
 )
-from jaxgen.models.checkpoint_files import read_json_file
+from jaxgen.models.checkpoint_files import read_json_object
 from jaxgen.models.config_checks import check_layer_count, refuse_quantization
 from jaxgen.models.gemma import Gemma, GemmaConfig, gemma_param_shapes
 from jaxgen.models.hf_checkpoint import IGNORED_HF_TENSORS, read_hf_tensors
@@ -66,22 +66,11 @@ _VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "visi
                     "multi_modal_projector.")
 
 
-def _read_json(path: str) -> dict | None:
-    value = read_json_file(path, required=False)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a {type(value).__name__}, expected an object")
-    return value
-
-
 def load_gemma_config(folder: str) -> tuple[GemmaConfig, bool]:
     """(GemmaConfig, multimodal) from config.json (+ generation_config.json)."""
     path = os.path.join(folder, "config.json")
-    config = _read_json(path)
-    if config is None:
-        raise FileNotFoundError(f"missing file: {path}")
-    generation = _read_json(os.path.join(folder, "generation_config.json"))
+    config = read_json_object(path)
+    generation = read_json_object(os.path.join(folder, "generation_config.json"), required=False)
     refuse_quantization(config, path)  # the top level's, for gemma3 (text_config's below)
     multimodal = config.get("model_type") == "gemma3"
     if multimodal:

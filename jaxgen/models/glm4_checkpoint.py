@@ -52,7 +52,7 @@ from jaxgen.models.checkpoint_checks import (
     reject_unexpected,
     require_finite,
 )
-from jaxgen.models.checkpoint_files import read_json_file
+from jaxgen.models.checkpoint_files import read_json_file, read_json_object
 from jaxgen.models.config_checks import check_layer_count, check_tensor_shapes
 from jaxgen.models.glm4_moe import ATTENTION_KEYS, DENSE_KEYS, Glm4Moe, Glm4MoeConfig
 from jaxgen.models.hf_checkpoint import IGNORED_HF_TENSORS, read_hf_tensors
@@ -70,10 +70,7 @@ _LAYER_INDEX_PREFIX = "model.layers."
 def load_glm4_moe_config(folder: str) -> Glm4MoeConfig:
     """Glm4MoeConfig from `config.json` (+ `generation_config.json` when present)."""
     path = os.path.join(folder, "config.json")
-    generation = read_json_file(os.path.join(folder, "generation_config.json"), required=False)
-    if generation is not None and not isinstance(generation, dict):
-        raise ValueError(f"{folder}/generation_config.json holds a {type(generation).__name__}"
-                         f", expected an object")
+    generation = read_json_object(os.path.join(folder, "generation_config.json"), required=False)
     return Glm4MoeConfig.from_hf_dict(read_json_file(path), generation, where=path)
 
 

@@ -40,7 +40,12 @@ from jaxgen.models.checkpoint_checks import (
     reject_unexpected,
     require_finite,
 )
-from jaxgen.models.checkpoint_files import read_json_file, require_regular_file, shard_path
+from jaxgen.models.checkpoint_files import (
+    read_json_file,
+    read_json_object,
+    require_regular_file,
+    shard_path,
+)
 from jaxgen.models.config_checks import (
     check_layer_count,
     check_tensor_shapes,
@@ -98,10 +103,7 @@ def load_hf_config(folder: str) -> LlamaConfig:
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     path = os.path.join(folder, "config.json")
     config = read_json_file(path)
-    generation = read_json_file(os.path.join(folder, "generation_config.json"), required=False)
-    if generation is not None and not isinstance(generation, dict):
-        raise ValueError(f"{folder}/generation_config.json holds a {type(generation).__name__}"
-                         f", expected an object")
+    generation = read_json_object(os.path.join(folder, "generation_config.json"), required=False)
     return LlamaConfig.from_hf_dict(config, generation, where=path)
 
 
