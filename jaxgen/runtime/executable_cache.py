@@ -89,7 +89,7 @@ SUFFIX = ".exe"
 TRUSTED_MODULES = ("jaxgen", "jax", "jaxlib", "numpy", "ml_dtypes", "builtins", "copyreg",
                    "collections", "functools", "operator", "enum", "_codecs", "types",
                    "dataclasses")
-ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")  # and the kernel setting and arch, parsed
+ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")  # + the kernels' setting, arch
 
 _STORE: ExecutableStore | None = None
 _SOURCE_HASH: list[str] = []
