@@ -334,7 +334,7 @@ def test_a_planted_kernel_library_is_not_loaded(tmp_path, monkeypatch, plant):
     monkeypatch.setenv("JAXGEN_TEST_MARKER", str(tmp_path / "planted-code-ran"))
     source = _tiny_source(tmp_path)
     folder = kernels.kernel_folder()
-    name = kernels._library_name(source, kernels.FLAGS + kernels.native_flags(),
+    name = kernels._library_name(source, kernels.FLAGS + kernels.arch_flags(),
                                  time.monotonic() + 60)
     evil = tmp_path / "evil.cc"
     evil.write_text(PLANTED)

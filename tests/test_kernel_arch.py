@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxgen.backends.cpu.kernels import build
+from jaxgen.storage.host_cpu import host_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ("tests/test_few_rows_kernel.py", "tests/test_quantized_rows_kernel.py",
@@ -23,16 +24,7 @@ BUILD_DEPENDENT = ("equals or rounds or rounded or reports_its_row_group or row_
                    "or falls_back or stands_for or named_layer")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
-AVX2_HOST = {"avx2", "fma", "f16c", "bmi2"} <= _cpu_flags()
+AVX2_HOST = {"avx2", "fma", "f16c", "bmi2"} <= set(host_cpu().replace(";", " ").split())
 
 
 @pytest.mark.parametrize("raw", ["-O0", "native -fplugin=x", "x86 64", "ar/ch", "é"])
@@ -44,11 +36,11 @@ def test_a_bad_arch_names_the_variable_and_the_form(raw):
 def test_the_arch_is_the_march_flag_and_part_of_the_library_name(monkeypatch):
     deadline = time.monotonic() + 60
     monkeypatch.setenv(build.ARCH_VARIABLE, "x86-64-v3")
-    assert build.native_flags() == ("-march=x86-64-v3",)
-    v3 = build._library_name(build.QUANTIZED_SOURCE, build.FLAGS + build.native_flags(), deadline)
+    assert build.arch_flags() == ("-march=x86-64-v3",)
+    v3 = build._library_name(build.QUANTIZED_SOURCE, build.FLAGS + build.arch_flags(), deadline)
     monkeypatch.delenv(build.ARCH_VARIABLE)
-    assert build.native_flags() == ("-march=native",)
-    native = build._library_name(build.QUANTIZED_SOURCE, build.FLAGS + build.native_flags(),
+    assert build.arch_flags() == ("-march=native",)
+    native = build._library_name(build.QUANTIZED_SOURCE, build.FLAGS + build.arch_flags(),
                                  deadline)
     assert v3 != native
 

@@ -278,11 +278,11 @@ def test_a_stacked_layers_row_bound_is_this_hosts():
     codes sooner than 4-bit ones."""
     import platform
 
-    from jaxgen.backends.cpu.kernels.build import group_rows
+    from jaxgen.backends.cpu.kernels.build import arch_flags
 
     cpuinfo = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
-    avx512_build = group_rows() == 8  # not an AVX2 build ($JAXGEN_KERNEL_ARCH) on this CPU
-    intel_avx512 = "avx512f" in cpuinfo.split() and "GenuineIntel" in cpuinfo and avx512_build
+    native = arch_flags() == ("-march=native",)  # else an AVX2 build (test_kernel_arch)
+    intel_avx512 = "avx512f" in cpuinfo.split() and "GenuineIntel" in cpuinfo and native
     want = ((INTEL_AVX512_STACKED_KERNEL_MAX_ROWS, INTEL_AVX512_STACKED_NIBBLE_KERNEL_MAX_ROWS)
             if intel_avx512 else (STACKED_KERNEL_MAX_ROWS, STACKED_KERNEL_MAX_ROWS))
     assert (stacked_max_rows(jnp.int8), stacked_max_rows(jnp.uint8)) == want

@@ -145,7 +145,7 @@ def parse_kernel_arch(raw: str | None) -> str:
     return word
 
 
-def native_flags() -> tuple[str, ...]:
+def arch_flags() -> tuple[str, ...]:
     """The instruction-set flags the kernels are built with first ($JAXGEN_KERNEL_ARCH,
     `parse_kernel_arch`); dropped, for the compiler's default target, if it refuses them."""
     return (f"-march={parse_kernel_arch(os.environ.get(ARCH_VARIABLE))}",)
@@ -290,7 +290,7 @@ def build_library(source: Path = SOURCE, deadline: float | None = None) -> Path:
     refused; RuntimeError (or OSError) with the reasons when it cannot be built in time."""
     deadline = time.monotonic() + build_timeout() if deadline is None else deadline
     errors = []
-    for flags in (FLAGS + native_flags(), FLAGS):
+    for flags in (FLAGS + arch_flags(), FLAGS):
         try:
             folder = kernel_folder()
             target = folder / _library_name(source, flags, deadline)
@@ -349,7 +349,7 @@ def library_ready(source: Path) -> bool:
     compile nothing (one `--version` run, under CHECK_TIMEOUT_S; any failure: False)."""
     deadline = time.monotonic() + min(build_timeout(), CHECK_TIMEOUT_S)
     try:
-        name = _library_name(source, FLAGS + native_flags(), deadline)
+        name = _library_name(source, FLAGS + arch_flags(), deadline)
         if _TEMPORARY and _in_user_cache(name) is not None:
             return True
         return _checked(kernel_folder() / name)
@@ -568,10 +568,10 @@ def main(argv=None) -> int:
     return status
 
 
-__all__ = ["NATIVE_TARGETS", "SETTINGS", "attention_query_bits", "attention_targets",
+__all__ = ["NATIVE_TARGETS", "SETTINGS", "arch_flags", "attention_query_bits", "attention_targets",
            "build_library", "build_timeout", "cache_dir", "ffi_target", "group_rows",
            "intel_avx512_host",
-           "kernel_folder", "kernel_setting", "library_ready", "native_flags",
-           "parse_kernel_arch", "parse_kernel_setting",
+           "kernel_folder", "kernel_setting", "library_ready", "parse_kernel_arch",
+           "parse_kernel_setting",
            "prefill_targets", "quantized_rounded_rows", "quantized_target", "register_targets",
            "start_background_build", "start_builds_for", "use_temporary_folder"]
