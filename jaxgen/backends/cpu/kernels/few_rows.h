@@ -35,10 +35,10 @@ constexpr int REGISTERS = 32;      // vector registers (AVX-512 gives 32 to 8-fl
 constexpr int REGISTERS = 16;
 #endif
 constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share one weight pass
-// With 32 registers, 16 input rows can share a pass as well, in tiles of one weight row (16
-// sums, the inputs read from L1 by the products themselves): on Intel hosts only
-// (`wide_row_passes`). 0: none (16 registers).
-constexpr int WIDE_ROWS = REGISTERS >= 32 ? 16 : 0;
+// Twice as many input rows can share a pass as well, in tiles of one weight row (16 sums with
+// 32 registers, 8 with 16; the inputs read from L1 by the products themselves): on Intel
+// hosts only (`wide_row_passes`).
+constexpr int WIDE_ROWS = REGISTERS >= 32 ? 16 : 8;
 // How many tiles ahead the weight rows are prefetched, into every cache level: a
 // non-temporal prefetch made 3 to 8 rows 2.3-2.5x slower on an Intel AVX-512 host (30 SmolLM2
 // layers, 8 rows: 55 against 22 ms; no prefetch: 30 ms).
@@ -138,12 +138,17 @@ void stream_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
   }
 }
 
-// Whether this is an AVX-512 build running on an Intel CPU (asked once, at run time): two
-// settings below were measured faster there; AMD hosts keep the ones measured on them.
-inline bool intel_avx512_host() {
-#ifdef __AVX512F__
+// Whether the CPU is an Intel one (asked once, at run time).
+inline bool intel_host() {
   static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
   return intel;
+}
+
+// Whether this is an AVX-512 build running on an Intel CPU: the settings below were measured
+// faster there; AMD hosts keep the ones measured on them.
+inline bool intel_avx512_host() {
+#ifdef __AVX512F__
+  return intel_host();
 #else
   return false;
 #endif
@@ -156,10 +161,12 @@ inline bool intel_avx512_host() {
 // 8, benchmarks/bench_ab.py).
 inline bool tiles_in_16_lanes() { return intel_avx512_host(); }
 
-// Whether 16 input rows share a pass (WIDE_ROWS): on Intel AVX-512 hosts (30 SmolLM2 layers
-// at 16 rows 31.8 ms against 34.7 as two groups of 8), not on AMD ones (Zen 4: a 16 / 32-token
-// prompt's call 62-63 / 98-101 ms against 48 / 76-83 in groups of 8).
-inline bool wide_row_passes() { return intel_avx512_host(); }
+// Whether WIDE_ROWS input rows share a pass: on Intel hosts (AVX-512 build, 30 SmolLM2 layers
+// at 16 rows: 31.8 ms against 34.7 as two groups of 8; AVX2 build on the same host, 8 / 16
+// rows: 26.5 / 39.6 ms against 28.8 / 42.3 in groups of 4), not on AMD ones (Zen 4: a 16 /
+// 32-token prompt's call 62-63 / 98-101 ms against 48 / 76-83 in groups of 8; AMD AVX2 hosts
+// keep the 4-row groups measured on a Zen 1: an 8-row tile loads 9 vectors per 8 products).
+inline bool wide_row_passes() { return intel_host(); }
 
 // Whether two input rows run the tiles rather than the streaming path: on Intel AVX-512
 // hosts (30 SmolLM2 layers, two rows: tiles 19.2-19.7 ms, streaming 21.8-23.9; one row level
@@ -182,8 +189,9 @@ inline int64_t block_rows_for(int64_t n, int64_t threads) {
 template <typename V, int ROWS>
 void tiled_rows_in(const float* x, int64_t k, const float* w, float* y, int64_t n,
                    int64_t begin, int64_t end, const float* w_end) {
-  // accumulators (ROWS * COLS) + operands (ROWS + COLS) within the vector registers
-  constexpr int COLS = ROWS > 8 ? 1 : REGISTERS >= 32 && ROWS <= 4 ? 4 : 2;
+  // accumulators (ROWS * COLS) + operands (ROWS + COLS) within the vector registers; past
+  // them one weight row a tile, the inputs read by the products themselves
+  constexpr int COLS = ROWS * 3 + 2 > REGISTERS ? 1 : REGISTERS >= 32 && ROWS <= 4 ? 4 : 2;
   int64_t col = begin;
   for (; col + COLS <= end; col += COLS)
     tile<V, ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
@@ -229,11 +237,9 @@ inline void block(const float* x, int64_t m, int64_t k, const float* w, float* y
   }
   const float* w_end = w + n * k;
   int64_t row = 0;
-  if constexpr (WIDE_ROWS > 0) {
-    if (wide_row_passes())
-      for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
-        tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
-  }
+  if (wide_row_passes())
+    for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
+      tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
   for (; row + GROUP_ROWS <= m; row += GROUP_ROWS)
     weight_rows<GROUP_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
   const float* xr = x + row * k;
