@@ -27,11 +27,13 @@ def _random(shape, seed):
 # (batch, queries, heads, kv heads, keys, head_dim, window): one and several queries, grouped
 # heads, key counts off the chunk sizes and the 4-stream split, windows inside a chunk, one
 # head in 64 chunks, 64 heads in chunks of the largest size; rows by the score and value
-# tiles (several rows a pass) with rows a window hides from a chunk between them
+# tiles (several rows a pass) with rows a window hides from a chunk between them; a chunk's
+# rows in parts (a short context's few KV heads, a window hiding keys from some parts)
 CASES = [(1, 1, 9, 3, 700, 64, None), (2, 4, 4, 2, 1000, 32, None), (1, 3, 2, 1, 600, 8, 100),
          (3, 1, 8, 8, 257, 64, None), (2, 16, 6, 2, 300, 16, 7), (1, 2, 1, 1, 5, 128, None),
          (1, 1, 1, 1, 20000, 8, None), (1, 1, 64, 64, 9000, 8, 8500),
-         (1, 8, 6, 2, 900, 64, 50), (2, 5, 4, 1, 300, 128, None)]
+         (1, 8, 6, 2, 900, 64, 50), (2, 5, 4, 1, 300, 128, None),
+         (1, 8, 9, 3, 136, 64, 60)]
 
 
 @pytest.mark.parametrize("batch, seq, heads, kv_heads, keys, dim, window", CASES)
@@ -48,7 +50,8 @@ def test_dense_kernel_equals_the_portable_attention(batch, seq, heads, kv_heads,
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("batch, seq, heads, kv_heads, keys, dim, window", CASES[:4])
+@pytest.mark.parametrize("batch, seq, heads, kv_heads, keys, dim, window",
+                         CASES[:4] + CASES[-1:])
 def test_int8_kernel_equals_the_portable_attention_over_codes(batch, seq, heads, kv_heads,
                                                               keys, dim, window):
     q = _random((batch, seq, heads, dim), 4)

@@ -11,9 +11,10 @@
 //
 // XLA:CPU runs the batched products of one query row against every key slot of the cache
 // (allocated for the whole generation) at about half the bandwidth probe's rate; this reads
-// only the visible keys, once, split into chunks (units of work) that XLA's thread pool
-// shares; each chunk's softmax is partial (its own max and sum) and the chunks are merged at
-// the end. int8 codes are widened in registers, never written out as floats.
+// only the visible keys, once, split into chunks (units of work, or a chunk's query rows in
+// parts where the chunks are too few) that XLA's thread pool shares; each chunk's softmax is
+// partial (its own max and sum) and the chunks are merged at the end. int8 codes are widened
+// in registers, never written out as floats.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -38,6 +39,13 @@ constexpr int64_t MAX_CHUNK = 8192;   // at most (its scores stay in cache),
 constexpr int64_t TARGET_UNITS = 64;  // and enough units for the pool where keys allow
 constexpr int64_t SLAB = 64;        // value channels one pass keeps in registers
 constexpr int64_t MAX_ROWS = 64;    // query rows per KV head (decode_attention.MAX_ROWS)
+// Where a short context's few KV heads give the pool's threads fewer than
+// MIN_UNITS_PER_THREAD units each, a chunk's query rows are split into parts of at least
+// MIN_PART_ROWS rows, a unit each (the parts read the same keys again, from cache):
+// SmolLM2's 3 KV heads over 152 keys, 30 layers of an 8 / 16-position verify, 1.30-1.76 /
+// 2.28-2.56 ms in 3 units against 1.03 / 1.94-2.01 in 12.
+constexpr int64_t MIN_UNITS_PER_THREAD = 4;
+constexpr int64_t MIN_PART_ROWS = 4;
 
 // e^x of 8 lanes, x <= 0 (a few ulp): 2^n e^f with n = round(x / ln 2), |f| <= ln 2 / 2,
 // e^f by its degree-6 Taylor-like polynomial (minimax coefficients).
@@ -75,9 +83,10 @@ struct Problem {
   int64_t window;
   float scale;
   int64_t chunks, chunk;             // key chunks per (row, head), keys a chunk
-  float* partial_max;                // [units, R]
-  float* partial_sum;                // [units, R]
-  float* partial_acc;                // [units, R, D]
+  int64_t parts, part_rows;          // query-row parts per chunk, rows a part
+  float* partial_max;                // [slots, R]
+  float* partial_sum;                // [slots, R]
+  float* partial_acc;                // [slots, R, D]
 };
 
 // 8 int8 codes as floats (AVX2: one sign extension and one conversion; compilers widen a
@@ -395,19 +404,22 @@ inline float row_weights(float* s, int64_t count, int64_t a, int64_t z, float* t
   return high;
 }
 
-// One unit: the partial softmax of every query row of head (b, h) over key chunk c. The keys
+// One unit: the partial softmax of query rows [r0, r1) (a part, or all) of head (b, h) over
+// key chunk c, into the chunk's slot of the partial sums. The keys
 // and values are read as 4 interleaved streams (the quarters of the chunk's visible span):
 // one stream a core measured ~9 GB/s on a Zen 1 host, four streams more.
 void unit(const Problem& p, int64_t index) {
-  const int64_t c = index % p.chunks, bh = index / p.chunks, b = bh / p.heads;
+  const int64_t part = index % p.parts, slot = index / p.parts;
+  const int64_t c = slot % p.chunks, bh = slot / p.chunks, b = bh / p.heads;
   const int64_t R = p.rows, D = p.dim;
+  const int64_t r0 = part * p.part_rows, r1 = std::min(r0 + p.part_rows, R);
   const int64_t C = p.chunk, first = c * C, last = std::min(first + C, p.keys);
-  float* maxes = p.partial_max + index * R;
-  float* sums = p.partial_sum + index * R;
-  float* accs = p.partial_acc + index * R * D;
+  float* maxes = p.partial_max + slot * R;
+  float* sums = p.partial_sum + slot * R;
+  float* accs = p.partial_acc + slot * R * D;
   int64_t lo[MAX_ROWS], hi[MAX_ROWS];
   int64_t span_lo = last, span_hi = first;
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     int64_t a, z;
     visible(p, b, r, &a, &z);
     lo[r] = std::max(a, first);
@@ -437,15 +449,15 @@ void unit(const Problem& p, int64_t index) {
   float units[MAX_ROWS];
   if (codes_dot16) {
     query_codes.resize(R * D);
-    for (int64_t r = 0; r < R; ++r) units[r] = round_to_int16(q + r * D, D, &query_codes[r * D]);
+    for (int64_t r = r0; r < r1; ++r) units[r] = round_to_int16(q + r * D, D, &query_codes[r * D]);
   }
 #endif
   auto scores = [&](int64_t i, int64_t step, int keys) {
     const int64_t row = head + span_lo + i;
-    int64_t r = 0;
+    int64_t r = r0;
     if (p.k) {                                     // dense keys: QUERY_TILE rows at once
       float dots[QUERY_TILE * 4];
-      for (; r + QUERY_TILE <= R; r += QUERY_TILE) {
+      for (; r + QUERY_TILE <= r1; r += QUERY_TILE) {
         dot4_rows<QUERY_TILE>(q + r * D, p.k + row * D, D, dots, 4, step * D);
         for (int u = 0; u < QUERY_TILE; ++u) {
           float* out = weights + (r + u) * C + i;
@@ -453,7 +465,7 @@ void unit(const Problem& p, int64_t index) {
         }
       }
     }
-    for (; r < R; ++r) {
+    for (; r < r1; ++r) {
       float dots[4];
       if (p.k) {
         dot4_rows<1>(q + r * D, p.k + row * D, D, dots, 4, step * D);
@@ -473,13 +485,13 @@ void unit(const Problem& p, int64_t index) {
   };
   for (int64_t i = 0; i < quarter; ++i) scores(i, quarter, 4);
   for (int64_t i = 4 * quarter; i < count; ++i) scores(i, 0, 1);
-  for (int64_t r = 0; r < R; ++r)
+  for (int64_t r = r0; r < r1; ++r)
     if (lo[r] < hi[r])
       maxes[r] = row_weights(weights + r * C, count, lo[r] - span_lo, hi[r] - span_lo,
                              &sums[r]);
-  for (int64_t r = 0; r < R; ++r) {                // values: the same streams
+  for (int64_t r = r0; r < r1; ++r) {              // values: the same streams
     if (lo[r] >= hi[r]) continue;
-    if (VALUE_TILE > 1 && p.v && D % SLAB == 0 && r + 1 < R && lo[r + 1] < hi[r + 1]) {
+    if (VALUE_TILE > 1 && p.v && D % SLAB == 0 && r + 1 < r1 && lo[r + 1] < hi[r + 1]) {
       for (int64_t d = 0; d < D; d += SLAB)          // rows r and r + 1 in one pass
         dense_value_rows<2>(p, head + span_lo, count, weights + r * C, C, d, accs + r * D, D);
       ++r;
@@ -537,11 +549,19 @@ ffi::Error run(ffi::ThreadPool& pool, Problem p, float* out) {
   p.chunk = std::max<int64_t>((reach + chunks - 1) / chunks, 1);
   p.chunks = (reach + p.chunk - 1) / p.chunk;
   if (p.chunks < 1) p.chunks = 1;
-  const int64_t units = p.batch * p.heads * p.chunks;
-  std::vector<float> partial(units * p.rows * 2);
-  std::vector<v8> accumulators(units * p.rows * p.dim / 8);  // 32-byte aligned
+  const int64_t slots = p.batch * p.heads * p.chunks;  // partial softmaxes, each R rows
+  // Too few slots for the pool's threads (a short context's few KV heads): each slot's
+  // query rows in parts of at least MIN_PART_ROWS (whole score tiles), a unit each.
+  const int64_t want = MIN_UNITS_PER_THREAD * std::max<int64_t>(pool.num_threads(), 1);
+  p.parts = std::max<int64_t>(std::min((want + slots - 1) / slots, p.rows / MIN_PART_ROWS), 1);
+  p.part_rows = (p.rows + p.parts - 1) / p.parts;
+  p.part_rows = (p.part_rows + QUERY_TILE - 1) / QUERY_TILE * QUERY_TILE;
+  p.parts = (p.rows + p.part_rows - 1) / p.part_rows;
+  const int64_t units = slots * p.parts;
+  std::vector<float> partial(slots * p.rows * 2);
+  std::vector<v8> accumulators(slots * p.rows * p.dim / 8);  // 32-byte aligned
   p.partial_max = partial.data();
-  p.partial_sum = p.partial_max + units * p.rows;
+  p.partial_sum = p.partial_max + slots * p.rows;
   p.partial_acc = reinterpret_cast<float*>(accumulators.data());
   const Problem& shared = p;
   run_blocks(pool, units, [&shared](int64_t begin, int64_t end) {
