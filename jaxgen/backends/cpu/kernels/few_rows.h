@@ -14,6 +14,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace jaxgen_rows {
@@ -43,6 +47,13 @@ constexpr int WIDE_ROWS = REGISTERS >= 32 ? 16 : 8;
 // non-temporal prefetch made 3 to 8 rows 2.3-2.5x slower on an Intel AVX-512 host (30 SmolLM2
 // layers, 8 rows: 55 against 22 ms; no prefetch: 30 ms).
 constexpr int PREFETCH_TILES = 2;
+// The most bytes of input rows a pass reads along K at once: longer rows are walked in parts
+// of K (each part's sums added into y), so a pass's inputs stay in L1 beside the weight
+// stream. SmolLM2's down projection (K = 1536), 30 layers, with the balanced blocks of
+// block_rows_for: AVX2 build at 8 / 16 rows 5.1 / 9.1-11.0 ms -> 3.8-4.1 / 7.9-8.3; AVX-512
+// build at 16 rows 8.3-9.2 -> 5.4-6.2 (16 rows of K = 576 stay one part: parts of 288 were
+// slower).
+constexpr int64_t INPUT_BYTES = 40 << 10;
 
 // The lanes of a float vector (8 or 16 lanes) summed in lane order.
 template <typename V>
@@ -65,17 +76,20 @@ inline float tree_sum(v8 v) {
 }
 #ifdef __AVX512F__
 inline float tree_sum(v16 v) {
-  v8 low, high;
-  std::memcpy(&low, &v, sizeof(v8));
-  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(v8), sizeof(v8));
-  return tree_sum(low + high);
+  // halves by register moves: halves copied out by memcpy kept a 16-lane tile's accumulators
+  // in memory (GCC 12: loaded and stored around every product)
+  const __m512 all = (__m512)v;
+  const __m256 low = _mm512_castps512_ps256(all);
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1));
+  return tree_sum((v8)low + (v8)high);
 }
 #endif
 
-// ROWS input rows x COLS weight rows: ROWS * COLS dot products of length k, in vectors V.
+// ROWS input rows x COLS weight rows (rows `stride` floats apart): ROWS * COLS dot products
+// of length k, in vectors V, written to y (add: added to what y holds).
 template <typename V, int ROWS, int COLS>
-inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
-                 const float* w_end) {
+inline void tile(const float* x, int64_t stride, int64_t k, const float* w, float* y, int64_t n,
+                 const float* w_end, bool add) {
   constexpr int LANES = sizeof(V) / sizeof(float);
   V acc[ROWS][COLS];
   _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
@@ -83,23 +97,23 @@ inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n,
   const int64_t k_vectors = k - k % LANES;
   for (int64_t i = 0; i < k_vectors; i += LANES) {
     _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
-      const float* ahead = w + (c + PREFETCH_TILES * COLS) * k + i;
+      const float* ahead = w + (c + PREFETCH_TILES * COLS) * stride + i;
       if (ahead < w_end) __builtin_prefetch(ahead, 0, 3);  // into every level (T0)
     }
     V xv[ROWS];
     _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
-      std::memcpy(&xv[r], x + r * k + i, sizeof(V));
+      std::memcpy(&xv[r], x + r * stride + i, sizeof(V));
     _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
       V wv;
-      std::memcpy(&wv, w + c * k + i, sizeof(V));
+      std::memcpy(&wv, w + c * stride + i, sizeof(V));
       _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) acc[r][c] += xv[r] * wv;
     }
   }
   _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
     _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
       float total = tree_sum(acc[r][c]);
-      for (int64_t i = k_vectors; i < k; ++i) total += x[r * k + i] * w[c * k + i];
-      y[r * n + c] = total;
+      for (int64_t i = k_vectors; i < k; ++i) total += x[r * stride + i] * w[c * stride + i];
+      y[r * n + c] = add ? y[r * n + c] + total : total;
     }
 }
 
@@ -177,10 +191,19 @@ inline bool two_rows_by_tiles() { return intel_avx512_host(); }
 // AVX-512 hosts one contiguous share a thread, so each thread's reads are one long stream
 // (60 SmolLM2 layers from memory, 1 / 2 / 4 / 8 rows: 32.6-33.1 / 29.6-30.3 / 32.4-32.6 /
 // 37.7-40.0 ms against 34.9-35.4 / 33.3-33.5 / 36.3-36.4 / 41.7-42.5 with 64-row blocks;
-// 32- or 16-row blocks slower still); BLOCK_ROWS elsewhere.
+// 32- or 16-row blocks slower still). Elsewhere BLOCK_ROWS or fewer (down to 32, whole
+// tiles), whichever leaves the busiest thread the fewest rows: 576 rows on 2 threads as 12
+// blocks of 48, not 9 of 64 (one thread 5 blocks, the other 4; see INPUT_BYTES).
 inline int64_t block_rows_for(int64_t n, int64_t threads) {
-  if (!intel_avx512_host()) return BLOCK_ROWS;
   threads = std::max<int64_t>(threads, 1);
+  if (!intel_avx512_host()) {
+    int64_t best = BLOCK_ROWS, best_load = INT64_MAX;
+    for (int64_t rows = BLOCK_ROWS; rows >= 32; rows -= 8) {
+      const int64_t load = ((n + rows - 1) / rows + threads - 1) / threads * rows;
+      if (load < best_load) best = rows, best_load = load;
+    }
+    return best;
+  }
   const int64_t share = (n + threads - 1) / threads;
   return std::max<int64_t>((share + 7) / 8 * 8, 8);  // whole tiles of up to 8 weight rows
 }
@@ -190,12 +213,21 @@ template <typename V, int ROWS>
 void tiled_rows_in(const float* x, int64_t k, const float* w, float* y, int64_t n,
                    int64_t begin, int64_t end, const float* w_end) {
   // accumulators (ROWS * COLS) + operands (ROWS + COLS) within the vector registers; past
-  // them one weight row a tile, the inputs read by the products themselves
+  // them one weight row a tile, the inputs read by the products themselves; K in parts of at
+  // most INPUT_BYTES of input rows (whole vectors)
   constexpr int COLS = ROWS * 3 + 2 > REGISTERS ? 1 : REGISTERS >= 32 && ROWS <= 4 ? 4 : 2;
-  int64_t col = begin;
-  for (; col + COLS <= end; col += COLS)
-    tile<V, ROWS, COLS>(x, k, w + col * k, y + col, n, w_end);
-  for (; col < end; ++col) tile<V, ROWS, 1>(x, k, w + col * k, y + col, n, w_end);
+  constexpr int LANES = sizeof(V) / sizeof(float);
+  const int64_t parts = (ROWS * k * 4 + INPUT_BYTES - 1) / INPUT_BYTES;
+  const int64_t part = ((k + parts - 1) / parts + LANES - 1) / LANES * LANES;
+  for (int64_t start = 0; start < k; start += part) {
+    const int64_t len = std::min(part, k - start);
+    const bool add = start > 0;
+    int64_t col = begin;
+    for (; col + COLS <= end; col += COLS)
+      tile<V, ROWS, COLS>(x + start, k, len, w + col * k + start, y + col, n, w_end, add);
+    for (; col < end; ++col)
+      tile<V, ROWS, 1>(x + start, k, len, w + col * k + start, y + col, n, w_end, add);
+  }
 }
 
 // Input rows [0, ROWS) against weight rows [begin, end), in this host's tile vectors.
