@@ -7,7 +7,7 @@
 // many, few_rows.h's wide_row_passes), with every later group reading it again from the
 // L1/L2 cache, so M rows cost little more than one.
 //
-// One input row takes another path, and two rows too except on Intel AVX-512 hosts
+// One input row takes another path, and two rows too except on Intel hosts
 // (few_rows.h, two_rows_by_tiles): each weight row read whole, one linear stream (SmolLM2's
 // 30 layers and head, one row: 26 -> 19-21 ms on a Zen 4 host, two rows 28 -> 24).
 //

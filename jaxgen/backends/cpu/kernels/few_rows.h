@@ -182,10 +182,11 @@ inline bool tiles_in_16_lanes() { return intel_avx512_host(); }
 // keep the 4-row groups measured on a Zen 1: an 8-row tile loads 9 vectors per 8 products).
 inline bool wide_row_passes() { return intel_host(); }
 
-// Whether two input rows run the tiles rather than the streaming path: on Intel AVX-512
-// hosts (30 SmolLM2 layers, two rows: tiles 19.2-19.7 ms, streaming 21.8-23.9; one row level
-// at 18.6-19.9), not on AMD ones, where the streaming path was measured the faster.
-inline bool two_rows_by_tiles() { return intel_avx512_host(); }
+// Whether two input rows run the tiles rather than the streaming path: on Intel hosts (30
+// SmolLM2 layers, two rows: AVX-512 build tiles 19.2-19.7 ms, streaming 21.8-23.9, one row
+// level at 18.6-19.9; AVX2 build 20.0-20.1 against 23.5-23.7, one row 19.8-20.1), not on AMD
+// ones, where the streaming path was measured the faster.
+inline bool two_rows_by_tiles() { return intel_host(); }
 
 // Weight rows a claimed block of an n-row weight covers with `threads` threads: on Intel
 // AVX-512 hosts one contiguous share a thread, so each thread's reads are one long stream
