@@ -550,6 +550,7 @@ ffi::Error run(ffi::ThreadPool& pool, Problem p, float* out) {
   p.chunks = (reach + p.chunk - 1) / p.chunk;
   if (p.chunks < 1) p.chunks = 1;
   const int64_t slots = p.batch * p.heads * p.chunks;  // partial softmaxes, each R rows
+  if (slots == 0 || p.rows == 0) return ffi::Error::Success();  // an empty output
   // Too few slots for the pool's threads (a short context's few KV heads): each slot's
   // query rows in parts of at least MIN_PART_ROWS (whole score tiles), a unit each.
   const int64_t want = MIN_UNITS_PER_THREAD * std::max<int64_t>(pool.num_threads(), 1);
