@@ -75,14 +75,14 @@ inline float tree_sum(v8 v) {
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
 #ifdef __AVX512F__
-inline float tree_sum(v16 v) {
-  // halves by register moves: halves copied out by memcpy kept a 16-lane tile's accumulators
-  // in memory (GCC 12: loaded and stored around every product)
-  const __m512 all = (__m512)v;
-  const __m256 low = _mm512_castps512_ps256(all);
-  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1));
-  return tree_sum((v8)low + (v8)high);
+// The low and high 8 lanes of a 16-lane vector, by register moves: halves copied out by
+// memcpy kept a 16-lane tile's accumulators in memory (GCC 12: loaded and stored around
+// every product).
+inline v8 low_half(v16 v) { return (v8)_mm512_castps512_ps256((__m512)v); }
+inline v8 high_half(v16 v) {
+  return (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), 1));
 }
+inline float tree_sum(v16 v) { return tree_sum(low_half(v) + high_half(v)); }
 #endif
 
 // ROWS input rows x COLS weight rows (rows `stride` floats apart): ROWS * COLS dot products

@@ -76,22 +76,16 @@ inline V exp_lanes(V given) {
 // a chain of 15 dependent compares a row and chunk).
 inline float max_lanes(V v) {
   typedef float v4 __attribute__((vector_size(16)));
-  v4 four;
-  if constexpr (LANES == 16) {
-    v8 low, high;
-    std::memcpy(&low, &v, sizeof(v8));
-    std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(v8), sizeof(v8));
-    const v8 eight = low > high ? low : high;
-    v4 a, c;
-    std::memcpy(&a, &eight, sizeof(v4));
-    std::memcpy(&c, reinterpret_cast<const char*>(&eight) + sizeof(v4), sizeof(v4));
-    four = a > c ? a : c;
-  } else {
-    v4 a, c;
-    std::memcpy(&a, &v, sizeof(v4));
-    std::memcpy(&c, reinterpret_cast<const char*>(&v) + sizeof(v4), sizeof(v4));
-    four = a > c ? a : c;
-  }
+#ifdef __AVX512F__  // V is 16 lanes: its halves first (few_rows.h, by register moves)
+  const v8 low = low_half(v), high = high_half(v);
+  const v8 eight = low > high ? low : high;
+#else
+  const v8 eight = v;
+#endif
+  v4 a, c;
+  std::memcpy(&a, &eight, sizeof(v4));
+  std::memcpy(&c, reinterpret_cast<const char*>(&eight) + sizeof(v4), sizeof(v4));
+  const v4 four = a > c ? a : c;
   return std::max(std::max(four[0], four[2]), std::max(four[1], four[3]));
 }
 
