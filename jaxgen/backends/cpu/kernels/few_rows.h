@@ -39,10 +39,10 @@ constexpr int REGISTERS = 32;      // vector registers (AVX-512 gives 32 to 8-fl
 constexpr int REGISTERS = 16;
 #endif
 constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share one weight pass
-// Twice as many input rows can share a pass as well, in tiles of one weight row (16 sums with
-// 32 registers, 8 with 16; the inputs read from L1 by the products themselves): on Intel
-// hosts only (`wide_row_passes`).
-constexpr int WIDE_ROWS = REGISTERS >= 32 ? 16 : 8;
+// With 32 registers twice as many input rows can share a pass as well, in tiles of one weight
+// row (16 sums; the inputs read from L1 by the products themselves): on Intel hosts only
+// (`wide_row_passes`).
+constexpr int WIDE_ROWS = 16;
 // How many tiles ahead the weight rows are prefetched, into every cache level: a
 // non-temporal prefetch made 3 to 8 rows 2.3-2.5x slower on an Intel AVX-512 host (30 SmolLM2
 // layers, 8 rows: 55 against 22 ms; no prefetch: 30 ms).
@@ -50,9 +50,8 @@ constexpr int PREFETCH_TILES = 2;
 // The most bytes of input rows a pass reads along K at once: longer rows are walked in parts
 // of K (each part's sums added into y), so a pass's inputs stay in L1 beside the weight
 // stream. SmolLM2's down projection (K = 1536), 30 layers, with the balanced blocks of
-// block_rows_for: AVX2 build at 8 / 16 rows 5.1 / 9.1-11.0 ms -> 3.8-4.1 / 7.9-8.3; AVX-512
-// build at 16 rows 8.3-9.2 -> 5.4-6.2 (16 rows of K = 576 stay one part: parts of 288 were
-// slower).
+// block_rows_for: AVX-512 build at 16 rows 8.3-9.2 -> 5.4-6.2 ms (16 rows of K = 576 stay one
+// part: parts of 288 were slower).
 constexpr int64_t INPUT_BYTES = 40 << 10;
 
 // The lanes of a float vector (8 or 16 lanes) summed in lane order.
@@ -91,6 +90,9 @@ template <typename V, int ROWS, int COLS>
 inline void tile(const float* x, int64_t stride, int64_t k, const float* w, float* y, int64_t n,
                  const float* w_end, bool add) {
   constexpr int LANES = sizeof(V) / sizeof(float);
+  // where the sums and every input row's vector would overflow the registers, the weight
+  // vectors are loaded first and each input vector once, for its COLS products
+  constexpr bool WEIGHTS_FIRST = COLS > 1 && ROWS * COLS + ROWS + 1 > REGISTERS;
   V acc[ROWS][COLS];
   _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
     _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) acc[r][c] = V{};
@@ -100,13 +102,30 @@ inline void tile(const float* x, int64_t stride, int64_t k, const float* w, floa
       const float* ahead = w + (c + PREFETCH_TILES * COLS) * stride + i;
       if (ahead < w_end) __builtin_prefetch(ahead, 0, 3);  // into every level (T0)
     }
-    V xv[ROWS];
-    _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
-      std::memcpy(&xv[r], x + r * stride + i, sizeof(V));
-    _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
-      V wv;
-      std::memcpy(&wv, w + c * stride + i, sizeof(V));
-      _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) acc[r][c] += xv[r] * wv;
+    if constexpr (WEIGHTS_FIRST) {
+      V wv[COLS];
+      _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c)
+        std::memcpy(&wv[c], w + c * stride + i, sizeof(V));
+      _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) {
+        V xv;
+        std::memcpy(&xv, x + r * stride + i, sizeof(V));
+        // kept in a register: GCC would read it from memory again in each of its products
+#ifdef __AVX512F__
+        asm("" : "+v"(xv));
+#else
+        asm("" : "+x"(xv));
+#endif
+        _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) acc[r][c] += xv * wv[c];
+      }
+    } else {
+      V xv[ROWS];
+      _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
+        std::memcpy(&xv[r], x + r * stride + i, sizeof(V));
+      _Pragma("GCC unroll 16") for (int c = 0; c < COLS; ++c) {
+        V wv;
+        std::memcpy(&wv, w + c * stride + i, sizeof(V));
+        _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r) acc[r][c] += xv[r] * wv;
+      }
     }
   }
   _Pragma("GCC unroll 16") for (int r = 0; r < ROWS; ++r)
@@ -175,12 +194,14 @@ inline bool intel_avx512_host() {
 // 8, benchmarks/bench_ab.py).
 inline bool tiles_in_16_lanes() { return intel_avx512_host(); }
 
-// Whether WIDE_ROWS input rows share a pass: on Intel hosts (AVX-512 build, 30 SmolLM2 layers
-// at 16 rows: 31.8 ms against 34.7 as two groups of 8; AVX2 build on the same host, 8 / 16
-// rows: 26.5 / 39.6 ms against 28.8 / 42.3 in groups of 4), not on AMD ones (Zen 4: a 16 /
-// 32-token prompt's call 62-63 / 98-101 ms against 48 / 76-83 in groups of 8; AMD AVX2 hosts
-// keep the 4-row groups measured on a Zen 1: an 8-row tile loads 9 vectors per 8 products).
-inline bool wide_row_passes() { return intel_host(); }
+// Whether WIDE_ROWS input rows share a pass: on Intel AVX-512 hosts (30 SmolLM2 layers at 16
+// rows: 31.8 ms against 34.7 as two groups of 8), not on AMD ones (Zen 4: a 16 / 32-token
+// prompt's call 62-63 / 98-101 ms against 48 / 76-83 in groups of 8). AVX2 builds run groups
+// of 4 rows on either vendor: with the 4 x 3 tiles (tile_cols) Intel's 8-row passes of 8 x 1
+// tiles were no faster (AVX2 build on an Intel host, weights on huge pages, 30 layers at 8 /
+// 16 rows 22.4-22.5 / 32.6-32.7 ms against 22.5-23.1 / 32.4-33.1 as 8-row passes of 4 x 3
+// tiles, 22.8-22.9 / 34.4-34.5 with the 8 x 1 tiles).
+inline bool wide_row_passes() { return intel_avx512_host(); }
 
 // Whether two input rows run the tiles rather than the streaming path: on Intel hosts (30
 // SmolLM2 layers, two rows: AVX-512 build tiles 19.2-19.7 ms, streaming 21.8-23.9, one row
@@ -209,25 +230,48 @@ inline int64_t block_rows_for(int64_t n, int64_t threads) {
   return std::max<int64_t>((share + 7) / 8 * 8, 8);  // whole tiles of up to 8 weight rows
 }
 
-// Input rows [0, ROWS) against weight rows [begin, end), COLS weight rows a tile of vectors V.
+// The weight rows of a tile of ROWS input rows. 16 registers: 2 for 2 rows, 4 for 3, 3 for 4
+// (12 sums, where 4 x 2 had 8 dependent chains; AVX2 build on an Intel host, one thread, 4
+// rows against weights held in L2: 91 against 62 GFLOP/s; 2 x 4 was faster in L2 but up to 8%
+// slower from memory, where two rows run). 32 registers: 4 weight rows up to 4 rows, 2 up to
+// 10 (sums and operands within the registers), then 1 (the inputs read by the products
+// themselves).
+template <int ROWS>
+constexpr int tile_cols() {
+  if constexpr (REGISTERS == 16) return ROWS == 3 ? 4 : ROWS == 4 ? 3 : 2;
+  return ROWS * 3 + 2 > REGISTERS ? 1 : ROWS <= 4 ? 4 : 2;
+}
+
+// Input rows [0, ROWS) against the weight rows from col on, in tiles of COLS weight rows while
+// COLS are left; returns the first weight row not done.
+template <typename V, int ROWS, int COLS>
+inline int64_t tile_columns(const float* x, int64_t stride, int64_t len, const float* w, float* y,
+                            int64_t n, int64_t col, int64_t end, const float* w_end, bool add) {
+  for (; col + COLS <= end; col += COLS)
+    tile<V, ROWS, COLS>(x, stride, len, w + col * stride, y + col, n, w_end, add);
+  return col;
+}
+
+// Input rows [0, ROWS) against weight rows [begin, end) in vectors V: tiles of tile_cols()
+// weight rows (the last ones in tiles of half as many, then of one); K in parts of at most
+// INPUT_BYTES of input rows (whole vectors).
 template <typename V, int ROWS>
 void tiled_rows_in(const float* x, int64_t k, const float* w, float* y, int64_t n,
                    int64_t begin, int64_t end, const float* w_end) {
-  // accumulators (ROWS * COLS) + operands (ROWS + COLS) within the vector registers; past
-  // them one weight row a tile, the inputs read by the products themselves; K in parts of at
-  // most INPUT_BYTES of input rows (whole vectors)
-  constexpr int COLS = ROWS * 3 + 2 > REGISTERS ? 1 : REGISTERS >= 32 && ROWS <= 4 ? 4 : 2;
+  constexpr int COLS = tile_cols<ROWS>();
   constexpr int LANES = sizeof(V) / sizeof(float);
   const int64_t parts = (ROWS * k * 4 + INPUT_BYTES - 1) / INPUT_BYTES;
   const int64_t part = ((k + parts - 1) / parts + LANES - 1) / LANES * LANES;
   for (int64_t start = 0; start < k; start += part) {
     const int64_t len = std::min(part, k - start);
     const bool add = start > 0;
-    int64_t col = begin;
-    for (; col + COLS <= end; col += COLS)
-      tile<V, ROWS, COLS>(x + start, k, len, w + col * k + start, y + col, n, w_end, add);
+    const float* xs = x + start;
+    const float* ws = w + start;
+    int64_t col = tile_columns<V, ROWS, COLS>(xs, k, len, ws, y, n, begin, end, w_end, add);
+    if constexpr (COLS > 3)
+      col = tile_columns<V, ROWS, COLS / 2>(xs, k, len, ws, y, n, col, end, w_end, add);
     for (; col < end; ++col)
-      tile<V, ROWS, 1>(x + start, k, len, w + col * k + start, y + col, n, w_end, add);
+      tile<V, ROWS, 1>(xs, k, len, ws + col * k, y + col, n, w_end, add);
   }
 }
 
@@ -270,9 +314,11 @@ inline void block(const float* x, int64_t m, int64_t k, const float* w, float* y
   }
   const float* w_end = w + n * k;
   int64_t row = 0;
-  if (wide_row_passes())
-    for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
-      tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
+  if constexpr (REGISTERS >= 32) {
+    if (wide_row_passes())
+      for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
+        tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
+  }
   for (; row + GROUP_ROWS <= m; row += GROUP_ROWS)
     weight_rows<GROUP_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
   const float* xr = x + row * k;
