@@ -5,11 +5,12 @@
 // XLA:CPU converts a quantized matrix to float32 in memory before its product (so int8 weights
 // read more bytes than float ones); here the codes are read once and expanded in registers.
 //
-// Up to `fused_max_rows` input rows (3 on AVX2 builds; a row group of 8 with AVX-512, one row
-// of 4-bit codes on Intel hosts) multiply the codes as they are expanded, one linear stream
-// per weight row: sum_g scale_g * (x_g . code_g) + (offset_g - scale_g * code_offset) *
-// sum(x_g), where the sums of x over each group are taken once per call. More rows expand a few weight rows at a time into a float buffer that stays in cache
-// and run the float tiles of few_rows.h on it.
+// Up to `fused_max_rows` input rows (3 on AVX2 builds; a row group of 8 with AVX-512, on Intel
+// hosts one row of 4-bit codes and 4 of Q8_0 blocks) multiply the codes as they are expanded,
+// one linear stream per weight row: sum_g scale_g * (x_g . code_g) + (offset_g - scale_g *
+// code_offset) * sum(x_g), where the sums of x over each group are taken once per call. More
+// rows expand a few weight rows at a time into a float buffer that stays in cache and run the
+// float tiles of few_rows.h on it.
 //
 // Layout of row n: codes[n] = K int8 codes, or K / 2 bytes in which byte j of each 32-input
 // block holds input j in its low nibble and input j + 16 in its high one (GGUF's packing);
@@ -49,20 +50,23 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 constexpr int64_t INT16_MAX_ROWS = INT16_ROWS ? 3 : 0;  // 4 rows measured faster as floats
 
-// The most input rows the fused path multiplies (more: weight rows expanded into a float buffer
-// and the float tiles of few_rows.h). AVX2 builds: the int16 codes' 3 rows (4 rows through the
-// buffer and few_rows.h's 4 x 3 tiles, AVX2 build on an Intel host, 30 SmolLM2 layers: int8
-// 17.0 against 21.4 ms, Q4_1 14.3 against 18.5). AVX-512 builds: a row group, except 4-bit codes
-// on Intel hosts, which run one row fused (2 / 3 / 4 / 8 rows through the buffer and the
-// 16-lane tiles: 12.5 / 13.0 / 15.4 / 20.1 ms against 13.7 / 16.2 / 18.0 / 23.3; int8 codes
-// stay fused, 11.8 / 12.8 / 14.7 / 19.8 against 16.1 / 16.4 / 17.0 / 21.7; one 4-bit row 7.9
-// against 12.9).
-inline int64_t fused_max_rows(bool nibbles) {
+// The most input rows the fused path multiplies for codes in groups of `group` inputs (more:
+// weight rows expanded into a float buffer and the float tiles of few_rows.h); 30 SmolLM2
+// layers, fused against the buffer. AVX2 builds: the int16 codes' 3 rows (at 4 rows through
+// the buffer and few_rows.h's 4 x 3 tiles, AVX2 build on an Intel host: per-channel int8 17.0
+// against 21.4 ms, Q4_1 14.3 against 18.5, Q8_0 18.4 against 28.5). AVX-512 builds: a row
+// group, except GGUF blocks on Intel hosts (16-lane tiles): one row of 4-bit codes (2 / 3 / 4
+// / 8 rows 12.5 / 13.0 / 15.4 / 20.1 ms through the buffer against 13.7 / 16.2 / 18.0 / 23.3;
+// one row 7.9 against 12.9), 4 of Q8_0 (4 / 5 / 6 / 8 rows 15.4 / 21.2 / 25.6 / 27.7 fused
+// against 18.0 / 19.8 / 20.1 / 23.6). Per-channel int8 stays fused there (2 / 3 / 4 / 8 rows
+// 11.8 / 12.8 / 14.7 / 19.8 against 16.1 / 16.4 / 17.0 / 21.7).
+inline int64_t fused_max_rows(bool nibbles, int64_t group) {
 #if INT16_ROWS
-  (void)nibbles;
+  (void)nibbles, (void)group;
   return INT16_MAX_ROWS;
 #else
-  return nibbles && intel_avx512_host() ? 1 : GROUP_ROWS;
+  if (group != 32 || !intel_avx512_host()) return GROUP_ROWS;
+  return nibbles ? 1 : 4;
 #endif
 }
 
@@ -484,7 +488,8 @@ void expand_row(const Quantized& q, int64_t col, float* out, RowValues& widened)
 template <bool NIBBLES>
 void quantized_block(const Quantized& q, const float* x, int64_t m, const float* xsums,
                      const void* rounded, float* y, int64_t begin, int64_t end) {
-  if (m <= fused_max_rows(NIBBLES)) switch (m) {  // codes multiplied as they are widened
+  // codes multiplied as they are widened
+  if (m <= fused_max_rows(NIBBLES, q.group)) switch (m) {
     case 1: return fused_rows<1, NIBBLES>(q, x, xsums, rounded, y, begin, end);
     case 2: return fused_rows<2, NIBBLES>(q, x, xsums, rounded, y, begin, end);
     case 3: return fused_rows<3, NIBBLES>(q, x, xsums, rounded, y, begin, end);
@@ -521,7 +526,7 @@ void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, f
   // [m, groups] sums of x over each group, for the fused path's shifts: of the rows as the
   // products see them (rounded or not), so the call is one product of those rows
   std::vector<float> xsums;
-  if (m <= fused_max_rows(NIBBLES) && (q.offset != nullptr || q.code_offset != 0.0f)) {
+  if (m <= fused_max_rows(NIBBLES, q.group) && (q.offset != nullptr || q.code_offset != 0.0f)) {
     xsums.assign(m * q.groups, 0.0f);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < q.groups; ++g) {
