@@ -61,9 +61,12 @@ FORMATS = [("int8", 96, 1), ("int8-groups", 96, 12), ("int8-blocks", 96, 3),
 
 
 @pytest.mark.parametrize("kind, k, groups", FORMATS, ids=[f[0] for f in FORMATS])
-@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (5,), (9,), (2, 4), (KERNEL_MAX_ROWS,)])
+@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (4,), (5,), (9,), (2, 4),
+                                  (KERNEL_MAX_ROWS,)])
 def test_product_equals_xla_with_the_expanded_weight(kind, k, groups, lead):
-    # up to a row group (the fused path: 4 rows, 8 with AVX-512), more (the widened tiles)
+    # the fused path's rows and past them the widened tiles, on either side of each build's
+    # bound (fused_max_rows: 3 rows on AVX2; 8 with AVX-512, on Intel 1 of 4-bit codes and 4 of
+    # Q8_0 blocks)
     codes, scale, offset, code_offset = _weights(kind, (), 131, k, groups, seed=len(lead))
     x = jnp.asarray(np.random.default_rng(1).standard_normal(lead + (k,)), jnp.float32)
     got = jax.jit(quantized_product, static_argnums=(4, 5))(x, codes, scale, offset,

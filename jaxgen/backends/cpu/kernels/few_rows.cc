@@ -3,8 +3,8 @@
 // XLA:CPU's matrix-matrix kernels pack the weight before they multiply, which for a handful of
 // rows costs more than the arithmetic; this kernel streams each weight row (K contiguous
 // floats, the [N, K] layout) once per group of up to GROUP_ROWS input rows (4, or 8 where
-// AVX-512 gives 32 vector registers for the tile's accumulators; on Intel AVX-512 hosts twice
-// as many, few_rows.h's wide_row_passes), with every later group reading it again from the
+// AVX-512 gives 32 vector registers for the tile's accumulators; on Intel hosts twice as
+// many, few_rows.h's wide_row_passes), with every later group reading it again from the
 // L1/L2 cache, so M rows cost little more than one.
 //
 // One input row takes another path, and two rows too except on Intel hosts

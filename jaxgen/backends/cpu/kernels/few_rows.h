@@ -39,10 +39,10 @@ constexpr int REGISTERS = 32;      // vector registers (AVX-512 gives 32 to 8-fl
 constexpr int REGISTERS = 16;
 #endif
 constexpr int GROUP_ROWS = REGISTERS >= 32 ? 8 : 4;  // input rows that share one weight pass
-// With 32 registers twice as many input rows can share a pass as well, in tiles of one weight
-// row (16 sums; the inputs read from L1 by the products themselves): on Intel hosts only
-// (`wide_row_passes`).
-constexpr int WIDE_ROWS = 16;
+// Twice as many input rows can share a pass as well, in tiles of one weight row (16 sums with
+// 32 registers, 8 with 16; the inputs read from L1 by the products themselves): on Intel
+// hosts only (`wide_row_passes`).
+constexpr int WIDE_ROWS = REGISTERS >= 32 ? 16 : 8;
 // How many tiles ahead the weight rows are prefetched, into every cache level: a
 // non-temporal prefetch made 3 to 8 rows 2.3-2.5x slower on an Intel AVX-512 host (30 SmolLM2
 // layers, 8 rows: 55 against 22 ms; no prefetch: 30 ms).
@@ -194,14 +194,16 @@ inline bool intel_avx512_host() {
 // 8, benchmarks/bench_ab.py).
 inline bool tiles_in_16_lanes() { return intel_avx512_host(); }
 
-// Whether WIDE_ROWS input rows share a pass: on Intel AVX-512 hosts (30 SmolLM2 layers at 16
+// Whether WIDE_ROWS input rows share a pass, for weights `streamed` from memory or (false) held
+// in L1 (the quantized kernel's expanded rows). On Intel AVX-512 hosts (30 SmolLM2 layers at 16
 // rows: 31.8 ms against 34.7 as two groups of 8), not on AMD ones (Zen 4: a 16 / 32-token
-// prompt's call 62-63 / 98-101 ms against 48 / 76-83 in groups of 8). AVX2 builds run groups
-// of 4 rows on either vendor: with the 4 x 3 tiles (tile_cols) Intel's 8-row passes of 8 x 1
-// tiles were no faster (AVX2 build on an Intel host, weights on huge pages, 30 layers at 8 /
-// 16 rows 22.4-22.5 / 32.6-32.7 ms against 22.5-23.1 / 32.4-33.1 as 8-row passes of 4 x 3
-// tiles, 22.8-22.9 / 34.4-34.5 with the 8 x 1 tiles).
-inline bool wide_row_passes() { return intel_avx512_host(); }
+// prompt's call 62-63 / 98-101 ms against 48 / 76-83 in groups of 8). AVX2 builds on Intel
+// hosts: for streamed weights only (a batch-8 decode step 36.7 against 39.1 ms in groups of 4,
+// benchmarks/bench_ab.py; weights in L1 run 8 rows at 102 against 56 GFLOP/s a thread in
+// groups of 4 x 3 tiles); AMD AVX2 hosts keep the 4-row groups measured on a Zen 1.
+inline bool wide_row_passes(bool streamed) {
+  return REGISTERS >= 32 ? intel_avx512_host() : intel_host() && streamed;
+}
 
 // Whether two input rows run the tiles rather than the streaming path: on Intel hosts (30
 // SmolLM2 layers, two rows: AVX-512 build tiles 19.2-19.7 ms, streaming 21.8-23.9, one row
@@ -233,12 +235,12 @@ inline int64_t block_rows_for(int64_t n, int64_t threads) {
 // The weight rows of a tile of ROWS input rows. 16 registers: 2 for 2 rows, 4 for 3, 3 for 4
 // (12 sums, where 4 x 2 had 8 dependent chains; AVX2 build on an Intel host, one thread, 4
 // rows against weights held in L2: 91 against 62 GFLOP/s; 2 x 4 was faster in L2 but up to 8%
-// slower from memory, where two rows run). 32 registers: 4 weight rows up to 4 rows, 2 up to
-// 10 (sums and operands within the registers), then 1 (the inputs read by the products
-// themselves).
+// slower from memory, where two rows run), 1 for 8 (the wide passes). 32 registers: 4 weight
+// rows up to 4 rows, 2 up to 10 (sums and operands within the registers), then 1 (the inputs
+// read by the products themselves).
 template <int ROWS>
 constexpr int tile_cols() {
-  if constexpr (REGISTERS == 16) return ROWS == 3 ? 4 : ROWS == 4 ? 3 : 2;
+  if constexpr (REGISTERS == 16) return ROWS == 3 ? 4 : ROWS == 4 ? 3 : ROWS > 4 ? 1 : 2;
   return ROWS * 3 + 2 > REGISTERS ? 1 : ROWS <= 4 ? 4 : 2;
 }
 
@@ -301,24 +303,24 @@ void weight_rows(const float* x, int64_t k, const float* w, float* y, int64_t n,
   }
 }
 
+// Input rows [0, m) against weight rows [begin, end); streamed: whether the weights come from
+// memory (false: rows the caller holds in L1, see wide_row_passes).
 inline void block(const float* x, int64_t m, int64_t k, const float* w, float* y, int64_t n,
-           int64_t begin, int64_t end) {
+                  int64_t begin, int64_t end, bool streamed = true) {
   if (m > GROUP_ROWS && end - begin > BLOCK_ROWS) {
     // several passes read each weight row: BLOCK_ROWS rows at a time, so the passes after
     // the first read them from L1 / L2, not again from memory (a whole share a thread on
     // Intel AVX-512 hosts is megabytes: 30 layers at 16 rows in two groups of 8, 37.2 ms
     // against 39.3)
     for (int64_t part = begin; part < end; part += BLOCK_ROWS)
-      block(x, m, k, w, y, n, part, std::min(part + BLOCK_ROWS, end));
+      block(x, m, k, w, y, n, part, std::min(part + BLOCK_ROWS, end), streamed);
     return;
   }
   const float* w_end = w + n * k;
   int64_t row = 0;
-  if constexpr (REGISTERS >= 32) {
-    if (wide_row_passes())
-      for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
-        tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
-  }
+  if (wide_row_passes(streamed))
+    for (; row + WIDE_ROWS <= m; row += WIDE_ROWS)
+      tiled_rows<WIDE_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
   for (; row + GROUP_ROWS <= m; row += GROUP_ROWS)
     weight_rows<GROUP_ROWS>(x + row * k, k, w, y + row * n, n, begin, end, w_end);
   const float* xr = x + row * k;

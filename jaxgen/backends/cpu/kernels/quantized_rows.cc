@@ -509,7 +509,7 @@ void quantized_block(const Quantized& q, const float* x, int64_t m, const float*
     const int64_t count = std::min(tile_rows, end - col);
     for (int64_t c = 0; c < count; ++c)
       expand_row<NIBBLES>(q, col + c, &expanded[c * q.k], widened);
-    block(x, m, q.k, expanded.data(), y + col, q.n, 0, count);
+    block(x, m, q.k, expanded.data(), y + col, q.n, 0, count, false);  // rows in L1
   }
 }
 
