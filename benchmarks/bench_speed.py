@@ -10,6 +10,7 @@ each per repeat).
 
     python benchmarks/bench_speed.py [--new-tokens 128] [--repeats 5] [--batches 1 8]
     python benchmarks/bench_speed.py --profile-only      # the per-piece breakdown only
+    python benchmarks/bench_speed.py --isa avx2          # every system held to AVX2
 
 Floors: bandwidth floor = bytes of weights read per decode step / measured bandwidth (a
 jitted fp32 matrix-vector product over 512 MB, as bench_generate.py); compute floor = 2 x
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_generate import measure_bandwidth, prompts_of
+from host_isa import add_isa_argument, isa_line, restart_for_isa
 from report_table import table_header, table_row
 
 import jaxgen
@@ -343,7 +345,9 @@ def main() -> None:
                              "6 int8 and 7 GGUF blocks with the native kernels off (XLA "
                              "expands the codes in memory), 8 fp32 with the kernels off "
                              "(XLA's own products)")
+    add_isa_argument(parser)
     args = parser.parse_args()
+    restart_for_isa(args.isa)
 
     model, stacked, tokenizer = load(DEFAULT_MODEL)
     unstacked = unstack_layers(model, stacked)
@@ -390,6 +394,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     hf = hf_from_jaxgen(model, stacked)
+    print(isa_line())
     try:
         import llama_cpp  # noqa: F401
         gguf_q4 = embedded_path(DEFAULT_MODEL)

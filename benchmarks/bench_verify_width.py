@@ -12,6 +12,7 @@ installed. Ratios are to each system's own S = 1; the host line names the CPU's 
 and the bandwidth probe.
 
     python benchmarks/bench_verify_width.py [--widths 1 2 4 8 16] [--position 128] [--repeats 15]
+        [--isa avx2]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 from bench_ab import host_line
 from bench_speed import llama_cpp_f32_forward_seconds
 from bench_trained_drafters import CarriedForward
+from host_isa import add_isa_argument, isa_line, restart_for_isa
 from report_table import table_header, table_row
 
 import jaxgen
@@ -61,10 +63,12 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--position", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
+    add_isa_argument(parser)
     args = parser.parse_args()
+    restart_for_isa(args.isa)
     widths = sorted(set([1] + args.widths))
     model, params, _ = jaxgen.models.load(DEFAULT_MODEL)
-    print(f"{host_line()}; cache holds {args.position} tokens")
+    print(f"{host_line()}; cache holds {args.position} tokens\n{isa_line()}")
     rows = {}
     for name, layout in (("jaxgen portable (stacked)", "portable"),
                          ("jaxgen layout=auto (per-layer, kernels)", "auto")):
