@@ -24,6 +24,7 @@ import sys
 
 ISA_CHOICES = ("native", "avx2")
 _XLA_FLAG = "--xla_cpu_max_isa=AVX2"
+_RESTARTED = "JAXGEN_BENCH_ISA"  # set in the restarted process: it restarts once
 
 
 def isa_environment(isa: str) -> dict:
@@ -47,13 +48,18 @@ def add_isa_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def restart_for_isa(isa: str) -> None:
-    """Re-run this process (same arguments) with `isa_environment(isa)` unless it holds
-    already: the libraries read these variables once, when they load."""
+    """Re-run this process (same arguments) once with `isa_environment(isa)`: the libraries
+    read these variables when they load. Refuses a CPU that lacks the instruction set."""
     wanted = isa_environment(isa)
-    if all(os.environ.get(name) == value for name, value in wanted.items()):
+    if not wanted or os.environ.get(_RESTARTED) == isa:
         return
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = set(f.read().split())
+    if isa not in flags:
+        raise SystemExit(f"--isa {isa}: this CPU has no {isa.upper()} (/proc/cpuinfo flags)")
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
+    os.execve(sys.executable, [sys.executable, *sys.argv],
+              {**os.environ, **wanted, _RESTARTED: isa})
 
 
 def isa_line() -> str:
