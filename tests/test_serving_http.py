@@ -5,6 +5,7 @@ same key; stop strings cut the text; schemas hold; errors are OpenAI's objects."
 import concurrent.futures
 import json
 import math
+import threading
 import time
 
 import jax
@@ -21,6 +22,7 @@ from serving_fixtures import running  # noqa: E402
 WAIT = 300  # seconds: a bound so a broken server fails the test instead of hanging it
 MAX_LEN = 256
 EOS = 256  # tiny_tokenizer's "</s>"
+HELD_AT = 64  # new tokens at which the disconnect test holds its row (see there)
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -148,26 +150,48 @@ def test_log_probs_are_the_engines_per_token_distribution(served):
 
 
 def test_a_client_that_disconnects_frees_its_slot(served):
+    """A streaming client that leaves mid-answer: its request ends "cancelled" with the tokens
+    so far, and its slot frees. Once the row holds HELD_AT new tokens of its 252, the engine
+    waits at that chunk boundary until the server has asked to cancel the request, so the row
+    is still running when the client leaves, however fast the engine decodes."""
     url, app = served[0], served[1]
     engine = app.state.pool.main
     handles = []
     submit = app.state.pool.submit
+    advance = engine._advance
+    resume = threading.Event()
+    prompt = [1, 2, 3]
+
+    def held_advance(*args, **kwargs):
+        ours = [slot for slot, request in enumerate(engine._running)
+                if request is not None and handles and request.handle is handles[0]]
+        if ours and engine._sent[ours[0]] - len(prompt) >= HELD_AT:
+            resume.wait(WAIT)
+        return advance(*args, **kwargs)
+
     app.state.pool.submit = lambda *a, **k: handles.append(submit(*a, **k)) or handles[-1]
+    engine._advance = held_advance
     try:
         with httpx.Client(timeout=WAIT) as http:
             with http.stream("POST", url + "/v1/completions", json={
-                    "prompt": [1, 2, 3], "max_tokens": MAX_LEN - 4, "stream": True,
+                    "prompt": prompt, "max_tokens": MAX_LEN - 4, "stream": True,
                     "temperature": 0}) as response:
                 lines = response.iter_lines()
                 while not next(lines).startswith("data: {"):
                     pass
-                with engine._device:  # paused at a chunk boundary: the row still runs
-                    assert engine.running == 1
-                    response.close()  # the client leaves
+                assert engine.running == 1  # held before its answer's end
+                response.close()  # the client leaves
+        deadline = time.monotonic() + WAIT
+        while not handles[0].cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert handles[0].cancel_requested
     finally:
+        resume.set()
+        del engine._advance  # the class's own again
         app.state.pool.submit = submit
     completion = handles[0].result(timeout=WAIT)
-    assert completion.status == "cancelled" and len(completion.new_ids) < MAX_LEN - 4
+    assert completion.status == "cancelled"
+    assert 0 < len(completion.new_ids) < MAX_LEN - 4
     deadline = time.monotonic() + WAIT
     while engine.running and time.monotonic() < deadline:
         time.sleep(0.02)
