@@ -66,7 +66,7 @@ def isa_line() -> str:
     """What each system of this run executes: jaxgen's kernel build, PyTorch's dispatch (when
     imported), llama.cpp's build (when installed), for the table's host line."""
     parts = [f"jaxgen kernels -march={os.environ.get('JAXGEN_KERNEL_ARCH') or 'native'}"]
-    if "--xla_cpu_max_isa=AVX2" in os.environ.get("XLA_FLAGS", ""):
+    if _XLA_FLAG in os.environ.get("XLA_FLAGS", ""):
         parts.append("XLA generated code AVX2 (its library dots: the host's widest)")
     if "torch" in sys.modules:
         parts.append(f"PyTorch {sys.modules['torch'].backends.cpu.get_cpu_capability()}"
