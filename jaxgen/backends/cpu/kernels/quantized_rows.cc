@@ -484,12 +484,13 @@ void expand_row(const Quantized& q, int64_t col, float* out, RowValues& widened)
   }
 }
 
-// Rows [0, m) of x against weight rows [begin, end).
+// Rows [0, m) of x against weight rows [begin, end); fused: the codes multiplied as they are
+// widened (m <= fused_max_rows, xsums taken), else through the float buffer.
 template <bool NIBBLES>
-void quantized_block(const Quantized& q, const float* x, int64_t m, const float* xsums,
-                     const void* rounded, float* y, int64_t begin, int64_t end) {
-  // codes multiplied as they are widened
-  if (m <= fused_max_rows(NIBBLES, q.group)) switch (m) {
+void quantized_block(const Quantized& q, const float* x, int64_t m, bool fused,
+                     const float* xsums, const void* rounded, float* y, int64_t begin,
+                     int64_t end) {
+  if (fused) switch (m) {
     case 1: return fused_rows<1, NIBBLES>(q, x, xsums, rounded, y, begin, end);
     case 2: return fused_rows<2, NIBBLES>(q, x, xsums, rounded, y, begin, end);
     case 3: return fused_rows<3, NIBBLES>(q, x, xsums, rounded, y, begin, end);
@@ -525,8 +526,9 @@ void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, f
 #endif
   // [m, groups] sums of x over each group, for the fused path's shifts: of the rows as the
   // products see them (rounded or not), so the call is one product of those rows
+  const bool fused = m <= fused_max_rows(NIBBLES, q.group);
   std::vector<float> xsums;
-  if (m <= fused_max_rows(NIBBLES, q.group) && (q.offset != nullptr || q.code_offset != 0.0f)) {
+  if (fused && (q.offset != nullptr || q.code_offset != 0.0f)) {
     xsums.assign(m * q.groups, 0.0f);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < q.groups; ++g) {
@@ -543,8 +545,8 @@ void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, f
       }
   }
   const float* sums = xsums.data();
-  run_blocks(pool, q.n, [&q, x, m, sums, rounded, y](int64_t begin, int64_t end) {
-    quantized_block<NIBBLES>(q, x, m, sums, rounded, y, begin, end);
+  run_blocks(pool, q.n, [&q, x, m, fused, sums, rounded, y](int64_t begin, int64_t end) {
+    quantized_block<NIBBLES>(q, x, m, fused, sums, rounded, y, begin, end);
   });
 }
 
