@@ -212,15 +212,17 @@ inline bool wide_row_passes(bool streamed) {
 inline bool two_rows_by_tiles() { return intel_host(); }
 
 // Weight rows a claimed block of an n-row weight covers with `threads` threads: on Intel
-// AVX-512 hosts one contiguous share a thread, so each thread's reads are one long stream
-// (60 SmolLM2 layers from memory, 1 / 2 / 4 / 8 rows: 32.6-33.1 / 29.6-30.3 / 32.4-32.6 /
+// hosts one contiguous share a thread, so each thread's reads are one long stream (AVX-512
+// build, 60 SmolLM2 layers from memory, 1 / 2 / 4 / 8 rows: 32.6-33.1 / 29.6-30.3 / 32.4-32.6 /
 // 37.7-40.0 ms against 34.9-35.4 / 33.3-33.5 / 36.3-36.4 / 41.7-42.5 with 64-row blocks;
-// 32- or 16-row blocks slower still). Elsewhere BLOCK_ROWS or fewer (down to 32, whole
-// tiles), whichever leaves the busiest thread the fewest rows: 576 rows on 2 threads as 12
-// blocks of 48, not 9 of 64 (one thread 5 blocks, the other 4; see INPUT_BYTES).
+// 32- or 16-row blocks slower still; AVX2 build, 30 layers, 1 / 8 / 16 rows: 20.3-20.5 /
+// 25.1-25.3 / 36.9-37.3 against 20.8-21.1 / 26.1-26.7 / 38.4-39.3). Elsewhere BLOCK_ROWS or
+// fewer (down to 32, whole tiles), whichever leaves the busiest thread the fewest rows: 576
+// rows on 2 threads as 12 blocks of 48, not 9 of 64 (one thread 5 blocks, the other 4; see
+// INPUT_BYTES).
 inline int64_t block_rows_for(int64_t n, int64_t threads) {
   threads = std::max<int64_t>(threads, 1);
-  if (!intel_avx512_host()) {
+  if (!intel_host()) {
     int64_t best = BLOCK_ROWS, best_load = INT64_MAX;
     for (int64_t rows = BLOCK_ROWS; rows >= 32; rows -= 8) {
       const int64_t load = ((n + rows - 1) / rows + threads - 1) / threads * rows;
