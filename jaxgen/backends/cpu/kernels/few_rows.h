@@ -211,6 +211,12 @@ inline bool wide_row_passes(bool streamed) {
 // ones, where the streaming path was measured the faster.
 inline bool two_rows_by_tiles() { return intel_host(); }
 
+// One block a thread: n weight rows over `threads` (at least 1) in whole tiles of up to 8 rows.
+inline int64_t contiguous_share(int64_t n, int64_t threads) {
+  const int64_t share = (n + threads - 1) / threads;
+  return std::max<int64_t>((share + 7) / 8 * 8, 8);
+}
+
 // Weight rows a claimed block of an n-row weight covers with `threads` threads: on Intel
 // hosts one contiguous share a thread, so each thread's reads are one long stream (AVX-512
 // build, 60 SmolLM2 layers from memory, 1 / 2 / 4 / 8 rows: 32.6-33.1 / 29.6-30.3 / 32.4-32.6 /
@@ -230,8 +236,7 @@ inline int64_t block_rows_for(int64_t n, int64_t threads) {
     }
     return best;
   }
-  const int64_t share = (n + threads - 1) / threads;
-  return std::max<int64_t>((share + 7) / 8 * 8, 8);  // whole tiles of up to 8 weight rows
+  return contiguous_share(n, threads);
 }
 
 // The weight rows of a tile of ROWS input rows. 16 registers: 2 for 2 rows, 4 for 3, 3 for 4

@@ -514,6 +514,17 @@ void quantized_block(const Quantized& q, const float* x, int64_t m, bool fused,
   }
 }
 
+// Weight rows a claimed block of m input rows covers: on AVX2 builds on Intel hosts one
+// contiguous share a thread, as few_rows.h's block_rows_for gives float32 weights there, except
+// one row against 4-bit codes (30 SmolLM2 layers, one / 8 rows: per-channel int8 9.0-9.1 /
+// 22.3-22.4 ms against 9.8-9.9 / 23.8-24.3 in 64-row blocks; Q4_1 8.7-9.0 / 19.1-19.4 against
+// 8.4-8.7 / 21.9-22.2); elsewhere BLOCK_ROWS (AVX-512 build on the Intel host: one row of Q4_1
+// 9.0 ms in contiguous shares against 8.0).
+inline int64_t quantized_block_rows(int64_t n, int64_t threads, bool nibbles, int64_t m) {
+  const bool shares = REGISTERS == 16 && intel_host() && (!nibbles || m > 1);
+  return shares ? contiguous_share(n, std::max<int64_t>(threads, 1)) : BLOCK_ROWS;
+}
+
 template <bool NIBBLES>
 void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, float* y) {
   const void* rounded = nullptr;  // the integer path's input rows (groups of 32 j inputs)
@@ -547,7 +558,7 @@ void run(ffi::ThreadPool& pool, const Quantized& q, const float* x, int64_t m, f
   const float* sums = xsums.data();
   run_blocks(pool, q.n, [&q, x, m, fused, sums, rounded, y](int64_t begin, int64_t end) {
     quantized_block<NIBBLES>(q, x, m, fused, sums, rounded, y, begin, end);
-  });
+  }, quantized_block_rows(q.n, pool.num_threads(), NIBBLES, m));
 }
 
 // codes: int8 [N, K] or uint8 [N, K / 2], or a stack [L, N, ...] of which `layer` is read;
