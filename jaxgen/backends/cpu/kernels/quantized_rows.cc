@@ -514,14 +514,17 @@ void quantized_block(const Quantized& q, const float* x, int64_t m, bool fused,
   }
 }
 
-// Weight rows a claimed block of m input rows covers: on AVX2 builds on Intel hosts one
-// contiguous share a thread, as few_rows.h's block_rows_for gives float32 weights there, except
-// one row against 4-bit codes (30 SmolLM2 layers, one / 8 rows: per-channel int8 9.0-9.1 /
-// 22.3-22.4 ms against 9.8-9.9 / 23.8-24.3 in 64-row blocks; Q4_1 8.7-9.0 / 19.1-19.4 against
-// 8.4-8.7 / 21.9-22.2); elsewhere BLOCK_ROWS (AVX-512 build on the Intel host: one row of Q4_1
-// 9.0 ms in contiguous shares against 8.0).
+// Weight rows a claimed block of m input rows covers: on Intel hosts one contiguous share a
+// thread, as few_rows.h's block_rows_for gives float32 weights there, for int8 codes, and for
+// 4-bit codes on AVX2 builds beyond one row. 30 SmolLM2 layers, 1 / 4 / 8 rows, against
+// 64-row blocks: AVX2 build, per-channel int8 9.0-9.1 / - / 22.3-22.4 ms against 9.8-9.9 / -
+// / 23.8-24.3, Q4_1 at 8 rows 19.1-19.4 against 21.9-22.2 (one row 8.7-9.0 against 8.4-8.7);
+// AVX-512 build, per-channel int8 9.2-9.6 / 12.9-13.1 / 17.0-17.4 against 10.2-10.5 /
+// 13.8-14.5 / 17.8-19.1, Q8_0 9.9-10.0 / 14.9-15.1 / 21.1-21.2 against 10.5-10.6 /
+// 15.2-15.9 / 23.0-23.4, Q4_1 at 8 rows 18.3-19.0 against 18.0-18.3 and one row 9.0 against
+// 8.0. Elsewhere BLOCK_ROWS.
 inline int64_t quantized_block_rows(int64_t n, int64_t threads, bool nibbles, int64_t m) {
-  const bool shares = REGISTERS == 16 && intel_host() && (!nibbles || m > 1);
+  const bool shares = intel_host() && (!nibbles || (REGISTERS == 16 && m > 1));
   return shares ? contiguous_share(n, std::max<int64_t>(threads, 1)) : BLOCK_ROWS;
 }
 
