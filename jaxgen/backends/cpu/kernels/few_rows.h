@@ -211,8 +211,10 @@ inline bool wide_row_passes(bool streamed) {
 // ones, where the streaming path was measured the faster.
 inline bool two_rows_by_tiles() { return intel_host(); }
 
-// One block a thread: n weight rows over `threads` (at least 1) in whole tiles of up to 8 rows.
+// One block a thread: n weight rows over `threads` (fewer than 1: one) in whole tiles of up to
+// 8 rows.
 inline int64_t contiguous_share(int64_t n, int64_t threads) {
+  threads = std::max<int64_t>(threads, 1);
   const int64_t share = (n + threads - 1) / threads;
   return std::max<int64_t>((share + 7) / 8 * 8, 8);
 }

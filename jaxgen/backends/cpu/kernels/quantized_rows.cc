@@ -525,7 +525,7 @@ void quantized_block(const Quantized& q, const float* x, int64_t m, bool fused,
 // 8.0. Elsewhere BLOCK_ROWS.
 inline int64_t quantized_block_rows(int64_t n, int64_t threads, bool nibbles, int64_t m) {
   const bool shares = intel_host() && (!nibbles || (REGISTERS == 16 && m > 1));
-  return shares ? contiguous_share(n, std::max<int64_t>(threads, 1)) : BLOCK_ROWS;
+  return shares ? contiguous_share(n, threads) : BLOCK_ROWS;
 }
 
 template <bool NIBBLES>
