@@ -214,3 +214,27 @@ def test_positions_past_the_cache_see_every_key():
         got = _heads(kernel.decode_attention(_rows(q, 2), k, v, positions, scale=0.5), q)
         want = attend_blocks(q, positions, [block], scale=0.5)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unrolled_forward_computes_rope_once_whatever_its_layers():
+    from jaxgen.backends.cpu.kernel_attention import with_kernel_attention
+    from jaxgen.cache.layer_forms import to_layer_tuples
+    from jaxgen.models import tiny_llama
+    from jaxgen.models.llama import unstack_layers
+
+    model, params = tiny_llama(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                               hidden_size=32, vocab_size=64)
+    per_layer = unstack_layers(model, params)
+    tokens, positions = jnp.array([[3, 1, 4, 1]]), jnp.arange(5, 9)[None]  # [1, 4] each
+
+    def forward(p, cache, positions):
+        return model(p, tokens, positions, cache).logits  # [1, 4, V]
+
+    cache = with_kernel_attention(to_layer_tuples(model.init_cache(1, 16)))
+    assert hasattr(type(cache), "compute_once")
+    program = jax.jit(forward).lower(per_layer, cache, positions).compile().as_text()
+    # cos and sin once each per side of the branch, not once per layer's query and key
+    assert program.count(" cosine(") <= 2 and program.count(" sine(") <= 2
+    got = jax.jit(forward)(per_layer, cache, positions)
+    want = jax.jit(forward)(params, model.init_cache(1, 16), positions)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

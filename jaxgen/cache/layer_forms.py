@@ -9,6 +9,10 @@ place (a backend chooses this: `jaxgen.backends.cpu.prepare`; the layout helpers
 between the forms, `holds_layer_tuples` tells which one a cache holds; kinds without
 `field_axes`, and caches kept in another memory space (offloaded to host), keep theirs.
 
+An unrolled forward computes what all its layers read (RoPE's cos / sin) through
+`computed_once`: a backend's cache class may say how to keep it one computation (XLA:CPU
+would otherwise recompute it inside every layer's fused operations).
+
 Example:
     >>> from jaxgen.cache import KVCache
     >>> cache = KVCache.init(num_layers=3, batch=1, max_len=8, num_kv_heads=2, head_dim=4)
@@ -19,6 +23,8 @@ Example:
     (True, False)
     >>> to_stacked_layers(tuples).k.shape                  # [L, B, Hkv, T, Dh] again
     (3, 1, 2, 8, 4)
+    >>> computed_once(tuples, jnp.cos, jnp.zeros(2))       # no class rule: fn(*args)
+    Array([1., 1.], dtype=float32)
 """
 from __future__ import annotations
 
@@ -57,3 +63,11 @@ def to_stacked_layers(cache):
     changes = {name: jnp.stack(value) for name in _layer_fields(cache)
                if isinstance(value := getattr(cache, name), tuple)}
     return dataclasses.replace(cache, **changes) if changes else cache
+
+
+def computed_once(cache, fn, *args):
+    """fn(*args), for every layer of one forward to read: as the cache's class computes such
+    values once (its `compute_once(fn, *args)`, a backend's), else simply fn(*args). args:
+    arrays (static settings go into fn)."""
+    compute_once = getattr(type(cache), "compute_once", None)
+    return fn(*args) if compute_once is None else compute_once(fn, *args)

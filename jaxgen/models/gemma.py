@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache import CACHE_KINDS, Cache, make_cache
-from jaxgen.cache.layer_forms import holds_layer_tuples
+from jaxgen.cache.layer_forms import computed_once, holds_layer_tuples
 from jaxgen.models import rope as rope_lib
 from jaxgen.models.config_checks import (
     FLOAT32_MAX,
@@ -466,7 +466,8 @@ class Gemma:
             raise ValueError(f"layers [{start}, {stop}) are not inside [0, {cfg.num_layers}]")
         if start == stop:
             return x, cache
-        ropes = self._ropes(positions, x.dtype)  # {local: (cos, sin)} each [B, S, Dh]
+        ropes = computed_once(cache, functools.partial(self._ropes, dtype=x.dtype),
+                              positions)  # {local: (cos, sin)} each [B, S, Dh]
         layers = params["layers"]
         per_layer = isinstance(layers, (list, tuple))
         if per_layer or holds_layer_tuples(cache):  # static indices and windows

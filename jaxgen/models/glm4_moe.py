@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.cache import CACHE_KINDS, Cache, make_cache
-from jaxgen.cache.layer_forms import holds_layer_tuples
+from jaxgen.cache.layer_forms import computed_once, holds_layer_tuples
 from jaxgen.cache.sharding import MODEL, check_divides
 from jaxgen.models import rope as rope_lib
 from jaxgen.models.config_checks import (
@@ -409,7 +409,8 @@ class Glm4Moe:
             raise ValueError(f"layers [{start}, {stop}) are not inside [0, {cfg.num_layers}]")
         if start == stop:
             return x, cache
-        cos, sin = self.rope_tables(positions, x.dtype)  # [B, S, R] each
+        cos, sin = computed_once(cache, functools.partial(self.rope_tables, dtype=x.dtype),
+                                 positions)  # [B, S, R] each
         layers = params["layers"]
         first_moe = cfg.dense_layers
         for lo, hi, mlp_keys, offset in ((start, min(stop, first_moe), DENSE_KEYS, 0),

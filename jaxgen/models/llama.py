@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache import CACHE_KINDS, Cache, make_cache
-from jaxgen.cache.layer_forms import holds_layer_tuples
+from jaxgen.cache.layer_forms import computed_once, holds_layer_tuples
 from jaxgen.models import rope as rope_lib
 from jaxgen.models.config_checks import (
     FLOAT_LIMITS,
@@ -522,8 +522,11 @@ class Llama:
         if tree_mask is not None:  # a token tree: RoPE by depth below the block's first slot
             depth = jnp.sum(tree_mask, axis=-1, dtype=jnp.int32) - 1  # [B, S]
             rotated = positions[:, :1] + depth  # [B, S]
-        cos, sin = rope_lib.cos_sin(rotated, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                    cfg.max_position_embeddings, x.dtype)  # [B, S, Dh] each
+        rope = functools.partial(rope_lib.cos_sin, head_dim=cfg.head_dim, theta=cfg.rope_theta,
+                                 scaling=cfg.rope_scaling,
+                                 max_position_embeddings=cfg.max_position_embeddings,
+                                 dtype=x.dtype)
+        cos, sin = computed_once(cache, rope, rotated)  # [B, S, Dh] each
         block = self._block if tree_mask is None else functools.partial(
             self._block, tree_mask=tree_mask)
         layers = params["layers"]
