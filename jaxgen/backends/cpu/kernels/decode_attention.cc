@@ -44,9 +44,10 @@ constexpr int64_t MAX_ROWS = 64;    // query rows per KV head (decode_attention.
 // MIN_PART_ROWS rows, a unit each (the parts read the same keys again, from cache):
 // SmolLM2's 3 KV heads over 152 keys, 30 layers of an 8 / 16-position verify, 1.30-1.76 /
 // 2.28-2.56 ms in 3 units against 1.03 / 1.94-2.01 in 12. The part count is then raised
-// to one that gives every thread as many units where the rows allow (9 units on 2 threads
-// had left one thread a fifth of the work: 12; AVX2 build, 30 calls at 8 / 16 positions
-// 1.30-1.38 / 2.37 -> 1.20-1.23 / 2.20-2.31 ms with the cache in L2).
+// to one that gives every thread as many units, where parts of at least two score tiles
+// allow (9 units on 2 threads had left one thread a fifth of the work: 12; AVX2 build, 30
+// calls at 8 / 16 positions 1.30-1.38 / 2.37 -> 1.20-1.23 / 2.20-2.31 ms with the cache in
+// L2; the AVX-512 build's 8 positions in 18 parts of one tile were 3-6% slower than in 9).
 constexpr int64_t MIN_UNITS_PER_THREAD = 4;
 constexpr int64_t MIN_PART_ROWS = 4;
 
@@ -558,15 +559,20 @@ ffi::Error run(ffi::ThreadPool& pool, Problem p, float* out) {
   // query rows in parts of at least MIN_PART_ROWS (whole score tiles), a unit each.
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t want = MIN_UNITS_PER_THREAD * threads;
-  p.parts = std::max<int64_t>(std::min((want + slots - 1) / slots, p.rows / MIN_PART_ROWS), 1);
-  if (p.parts > 1)  // as many units for every thread, where the rows allow
-    for (int64_t parts = p.parts; parts <= p.rows / MIN_PART_ROWS; ++parts)
-      if (slots * parts % threads == 0) {
-        p.parts = parts;
+  // rows a part for `parts` parts (whole score tiles)
+  auto rows_of = [&p](int64_t parts) {
+    return ((p.rows + parts - 1) / parts + QUERY_TILE - 1) / QUERY_TILE * QUERY_TILE;
+  };
+  const int64_t parts =
+      std::max<int64_t>(std::min((want + slots - 1) / slots, p.rows / MIN_PART_ROWS), 1);
+  p.part_rows = rows_of(parts);
+  if (parts > 1)  // as many units for every thread, where parts of two tiles allow
+    for (int64_t more = parts; more <= p.rows / MIN_PART_ROWS && rows_of(more) >= 2 * QUERY_TILE;
+         ++more)
+      if (slots * ((p.rows + rows_of(more) - 1) / rows_of(more)) % threads == 0) {
+        p.part_rows = rows_of(more);
         break;
       }
-  p.part_rows = (p.rows + p.parts - 1) / p.parts;
-  p.part_rows = (p.part_rows + QUERY_TILE - 1) / QUERY_TILE * QUERY_TILE;
   p.parts = (p.rows + p.part_rows - 1) / p.part_rows;
   const int64_t units = slots * p.parts;
   std::vector<float> partial(slots * p.rows * 2);
