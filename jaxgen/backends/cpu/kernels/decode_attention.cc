@@ -567,12 +567,14 @@ ffi::Error run(ffi::ThreadPool& pool, Problem p, float* out) {
       std::max<int64_t>(std::min((want + slots - 1) / slots, p.rows / MIN_PART_ROWS), 1);
   p.part_rows = rows_of(parts);
   if (parts > 1)  // as many units for every thread, where parts of two tiles allow
-    for (int64_t more = parts; more <= p.rows / MIN_PART_ROWS && rows_of(more) >= 2 * QUERY_TILE;
-         ++more)
-      if (slots * ((p.rows + rows_of(more) - 1) / rows_of(more)) % threads == 0) {
-        p.part_rows = rows_of(more);
+    for (int64_t more = parts; more <= p.rows / MIN_PART_ROWS; ++more) {
+      const int64_t rows = rows_of(more);
+      if (rows < 2 * QUERY_TILE) break;
+      if (slots * ((p.rows + rows - 1) / rows) % threads == 0) {
+        p.part_rows = rows;
         break;
       }
+    }
   p.parts = (p.rows + p.part_rows - 1) / p.part_rows;
   const int64_t units = slots * p.parts;
   std::vector<float> partial(slots * p.rows * 2);
